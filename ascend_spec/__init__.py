@@ -1,0 +1,3 @@
+"""ascend-spec: DeepSeek-style MTP speculative decoding on fixed-shape graphs."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,130 @@
+"""``ascend-spec generate``: text generation from a checkpoint with MTP speculative decoding."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig, load_yaml_config
+from .models import BUNDLED_MODEL_DIR
+from .sampling import SamplingParams
+
+DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ascend-spec", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text (speculative decoding on by default)")
+    g.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint folder (default: bundled)")
+    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
+    g.add_argument("--num-speculative-tokens", type=int, default=None)
+    g.add_argument("--no-spec", action="store_true", help="decode without speculation")
+    g.add_argument("--disable-padded-drafter-batch", action="store_true", default=None)
+    g.add_argument("--backend", choices=["auto", "eager", "inductor", "torchair"], default=None)
+    g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    data = load_yaml_config(args.config) if args.config else {}
+    spec = dict(data.get("speculative_config") or {"method": "deepseek_mtp"})
+    graph = dict((data.get("additional_config") or {}).get("torchair_graph_config") or {})
+    if args.num_speculative_tokens is not None:
+        spec["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.disable_padded_drafter_batch:
+        spec["disable_padded_drafter_batch"] = True
+    if args.backend is not None:
+        graph["backend"] = args.backend
+        if args.backend == "eager" and graph.get("enabled") is None:
+            graph["enabled"] = False
+    if args.graph_batch_sizes:
+        try:
+            graph["graph_batch_sizes"] = [int(x) for x in args.graph_batch_sizes.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--graph-batch-sizes={args.graph_batch_sizes!r}; allowed: comma-separated ints")
+    kwargs = {}
+    for key in ("max_model_len", "max_num_seqs"):
+        value = getattr(args, key) if getattr(args, key) is not None else data.get(key)
+        if value is not None:
+            kwargs[key] = value
+    return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
+                        graph=TorchairGraphConfig.from_dict(graph), **kwargs)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()
+                    if line.strip()]
+    return prompts or list(DEFAULT_PROMPTS)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import load_engine
+    from .tokenizer import TextTokenizer
+
+    cfg = engine_config_from_args(args)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    tok = TextTokenizer(args.model)
+    prompts = read_prompts(args)
+    engine = load_engine(args.model, cfg)
+    if engine.backend_name != "eager":
+        engine.warmup(progress=not args.json)
+    outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
+                                              seed=args.seed)
+    tokens_per_s = stats.generated_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
+    spec_name = f"{cfg.speculative.method} K={cfg.speculative.num_speculative_tokens}" if cfg.speculative else "off"
+    if args.json:
+        result = {
+            "outputs": [{"prompt": p, "token_ids": o.token_ids, "text": tok.decode(o.token_ids),
+                         "finish_reason": o.finish_reason} for p, o in zip(prompts, outputs)],
+            "backend": engine.backend_name,
+            "speculative": spec_name,
+            "tokens_per_s": round(tokens_per_s, 2),
+            "generated_tokens": stats.generated_tokens,
+            "num_steps": stats.num_steps,
+            "host_syncs_per_step": stats.host_syncs_per_step,
+            "recompiles_after_warmup": stats.recompiles_after_warmup,
+            **(metrics.as_dict() if metrics else {"acceptance_rate": None, "mean_accepted_length": None,
+                                                 "acceptance_per_position": []}),
+        }
+        print(json.dumps(result, indent=2))
+        return 0
+    for p, o in zip(prompts, outputs):
+        print(f"--- prompt: {p!r}\n{p}{tok.decode(o.token_ids)}\n")
+    line = (f"backend={engine.backend_name} spec={spec_name} | {len(prompts)} prompts, {stats.generated_tokens} "
+            f"tokens in {stats.decode_seconds:.2f}s ({tokens_per_s:.1f} tok/s)")
+    if metrics:
+        line += (f" | acceptance {metrics.acceptance_rate:.2f}, mean accepted length "
+                 f"{metrics.mean_accepted_length:.2f}")
+    print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_generate(args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""User-facing configuration: vLLM-style ``speculative_config`` and vllm-ascend-style ``torchair_graph_config``.
+
+Both are plain dicts in vLLM (``LLM(speculative_config=..., additional_config={"torchair_graph_config": ...})``);
+here they become validated dataclasses. Unknown keys and out-of-range values raise ``ConfigError`` naming the
+key and what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SPEC_METHODS = ("deepseek_mtp", "mtp")
+GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
+BACKENDS = ("auto", "eager", "inductor", "torchair")
+
+
+class ConfigError(ValueError):
+    """Invalid user configuration."""
+
+
+def _check_keys(section: str, given: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{section}: unknown key(s) {unknown}; allowed keys: {sorted(allowed)}")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` keys that the MTP drafter reads."""
+
+    method: str = "deepseek_mtp"
+    num_speculative_tokens: int = 2
+    disable_padded_drafter_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config.method={self.method!r}; allowed: {list(SPEC_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens={self.num_speculative_tokens!r}; allowed: an int in 1..16")
+        if not isinstance(self.disable_padded_drafter_batch, bool):
+            raise ConfigError("speculative_config.disable_padded_drafter_batch must be true or false, "
+                              f"got {self.disable_padded_drafter_batch!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+        # vLLM's spec config carries more keys (model, draft_tensor_parallel_size, ...); we accept and ignore
+        # those that do not change the MTP drafter and reject misspellings of ours.
+        passthrough = ("model", "draft_tensor_parallel_size", "quantization", "max_model_len", "revision",
+                       "code_revision", "enforce_eager", "prefill_token_shift")
+        _check_keys("speculative_config", d, tuple(f.name for f in fields(cls)) + passthrough)
+        return cls(**{k: v for k, v in d.items() if k not in passthrough})
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """nano-vllm's buckets: ``[1, 2, 4, 8] + range(16, max+1, 16)`` capped at the batch limit."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
+    if not sizes or sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def power_of_two_batch_sizes(max_num_seqs: int) -> list[int]:
+    """``graph_batch_sizes_init``: powers of two up to the batch limit (and the limit itself)."""
+    sizes, s = [], 1
+    while s < max_num_seqs:
+        sizes.append(s)
+        s *= 2
+    return sizes + [max_num_seqs]
+
+
+@dataclass(frozen=True, slots=True)
+class TorchairGraphConfig:
+    """vllm-ascend's ``additional_config.torchair_graph_config`` plus our ``backend`` choice."""
+
+    enabled: bool = True
+    backend: str = "auto"
+    mode: str = "max-autotune"
+    graph_batch_sizes: tuple[int, ...] = ()
+    graph_batch_sizes_init: bool = False
+    use_cached_graph: bool = False
+    enable_frozen_parameter: bool = True
+    enable_view_optimize: bool = True
+    tiling_schedule_optimize: bool = False
+
+    def __post_init__(self) -> None:
+        p = "torchair_graph_config"
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{p}.backend={self.backend!r}; allowed: {list(BACKENDS)}")
+        if self.mode not in GRAPH_MODES:
+            raise ConfigError(f"{p}.mode={self.mode!r}; allowed: {list(GRAPH_MODES)}")
+        bad = [s for s in self.graph_batch_sizes if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ConfigError(f"{p}.graph_batch_sizes has invalid size(s) {bad}; allowed: positive ints")
+        if self.graph_batch_sizes and self.graph_batch_sizes_init:
+            raise ConfigError(f"{p}: set either graph_batch_sizes or graph_batch_sizes_init, not both")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "TorchairGraphConfig":
+        d = dict(d or {})
+        p = "torchair_graph_config"
+        _check_keys(p, d, tuple(f.name for f in fields(cls)))
+        enabled = d.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{p}.enabled must be true or false, got {enabled!r}")
+        if not enabled:
+            # As in vllm-ascend: graph options given while graph mode is off are a mistake, not a no-op.
+            set_while_off = sorted(k for k in d if k not in ("enabled", "backend"))
+            if set_while_off:
+                raise ConfigError(f"{p}: {set_while_off} set while enabled is false; enable graph mode or remove them")
+            return cls(enabled=False, backend=d.get("backend", "eager"))
+        if "graph_batch_sizes" in d:
+            d["graph_batch_sizes"] = tuple(sorted(set(d["graph_batch_sizes"] or ())))
+        return cls(**d)
+
+    @property
+    def effective_backend(self) -> str:
+        return self.backend if self.enabled else "eager"
+
+    def batch_sizes(self, max_num_seqs: int) -> list[int]:
+        if self.graph_batch_sizes:
+            return [s for s in self.graph_batch_sizes if s <= max_num_seqs] or [max_num_seqs]
+        if self.graph_batch_sizes_init:
+            return power_of_two_batch_sizes(max_num_seqs)
+        return default_graph_batch_sizes(max_num_seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Harness limits. ``speculative`` None means no speculation."""
+
+    max_model_len: int = 512
+    max_num_seqs: int = 16
+    speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
+    graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len}; allowed: >= 2")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs}; allowed: >= 1")
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    """Read a YAML file holding ``speculative_config`` and/or ``additional_config.torchair_graph_config``."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs"))
+    extra = data.get("additional_config") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"{path}: additional_config must be a mapping")
+    _check_keys(f"{path}: additional_config", extra, ("torchair_graph_config",))
+    return data

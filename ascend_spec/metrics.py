@@ -1,0 +1,52 @@
+"""Speculative decoding metrics, counted on the host from each step's (already transferred) results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verify steps of one request that carried >= 1 draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+        self.drafted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_draft):
+            self.drafted_per_position[pos] += 1
+            if pos < num_accepted:
+                self.accepted_per_position[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """vLLM's "mean acceptance length": 1 (the target's own token) + accepted drafts per verify step."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_per_position": [round(x, 4) for x in self.acceptance_per_position],
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+        }

@@ -1,0 +1,109 @@
+"""``MtpProposer``: drafts K tokens per request with the checkpoint's MTP layer(s).
+
+A thin class over small functions: ``spec_decode`` holds the padded bookkeeping math, ``graph.steps``
+the K-step draft chain. The method names follow vLLM's drafter interface so the vLLM adapter in
+``compat/`` stays a translation layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import spec_decode
+from .config import SpeculativeConfig
+from .graph.model import DeepseekV3ForCausalLM
+from .graph.steps import make_draft_step
+
+
+@dataclass(frozen=True, slots=True)
+class DraftInputs:
+    """A verified batch in the padded ``[B, Q]`` layout (Q = 1 + K, or the prompt length at prefill).
+
+    ``token_indices_to_sample`` indexes within each row (the last accepted position). The draft cache
+    shares the target's block table, positions and slot mapping. Pad rows: ``seq_lens`` 0, slots -1.
+    """
+
+    target_token_ids: torch.Tensor  # [B, Q]
+    target_positions: torch.Tensor  # [B, Q]
+    target_hidden_states: torch.Tensor  # [B, Q, D]
+    target_slot_mapping: torch.Tensor  # [B, Q]
+    next_token_ids: torch.Tensor  # [B]
+    token_indices_to_sample: torch.Tensor  # [B]
+    block_table: torch.Tensor  # [B, M]
+    seq_lens: torch.Tensor  # [B]
+
+
+def shift_in_next_tokens(target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                         token_indices_to_sample: torch.Tensor) -> torch.Tensor:
+    """MTP inputs: the target's tokens shifted left by one, the next token at each row's sampled index.
+
+    Position i of the draft sees h_i and token i+1; at the last accepted index that token is the one the
+    target just produced. Out of place: the caller's tensors stay as they were.
+    """
+    shifted = torch.cat([target_token_ids[:, 1:], torch.zeros_like(target_token_ids[:, :1])], dim=1)
+    return shifted.scatter(1, token_indices_to_sample.long().view(-1, 1),
+                           next_token_ids.to(shifted.dtype).view(-1, 1))
+
+
+class MtpProposer:
+    """Eager MTP drafter (the reference). ``MtpTorchairProposer`` replays compiled graphs per bucket."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, spec: SpeculativeConfig, max_model_len: int,
+                 draft_cache: torch.Tensor) -> None:
+        self.spec = spec
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.draft_cache = draft_cache
+        self.model: DeepseekV3ForCausalLM | None = None
+        self.load_model(model)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def load_model(self, model: DeepseekV3ForCausalLM) -> None:
+        """Bind the checkpoint whose MTP layer(s) draft; the MTP layer shares nothing mutable with the target."""
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self._draft_fn = make_draft_step(model, self.num_speculative_tokens, self.max_model_len)
+
+    def dummy_run(self, num_reqs: int) -> None:
+        """Run one inert draft (every row padded) for ``num_reqs`` requests, e.g. to warm up."""
+        q = 1 + self.num_speculative_tokens
+        dev = self.draft_cache.device
+        d = self.model.cfg.hidden_size
+        m = (self.max_model_len + 15) // 16
+        zeros = torch.zeros(num_reqs, q, dtype=torch.long, device=dev)
+        self._run_draft(zeros, zeros, torch.zeros(num_reqs, q, d, device=dev), torch.zeros(num_reqs, dtype=torch.long,
+                        device=dev), torch.full_like(zeros, -1), torch.zeros(num_reqs, m, dtype=torch.long, device=dev),
+                        torch.zeros(num_reqs, dtype=torch.long, device=dev))
+
+    # -- padded bookkeeping (vLLM's names; no host syncs) ---------------------------------------
+    def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, discard_request_mask: torch.Tensor,
+                                      backup_next_token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return spec_decode.prepare_next_token_ids_padded(sampled_token_ids, discard_request_mask,
+                                                         backup_next_token_ids, self.vocab_size)
+
+    def prepare_inputs_padded(self, query_start_loc: torch.Tensor, num_draft_tokens: torch.Tensor,
+                              valid_sampled_tokens_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return spec_decode.prepare_inputs_padded(query_start_loc, num_draft_tokens, valid_sampled_tokens_count)
+
+    def prepare_inputs(self, query_start_loc_cpu: torch.Tensor,
+                       num_rejected_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return spec_decode.prepare_inputs(query_start_loc_cpu, num_rejected_tokens)
+
+    # -- drafting --------------------------------------------------------------------------------
+    def propose(self, inputs: DraftInputs, return_logits: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Draft ``[B, K]`` token ids (and, if asked, their ``[B, K, V]`` logits) for a verified batch."""
+        input_ids = shift_in_next_tokens(inputs.target_token_ids, inputs.next_token_ids,
+                                         inputs.token_indices_to_sample)
+        ids, logits = self._run_draft(input_ids, inputs.target_positions, inputs.target_hidden_states,
+                                      inputs.token_indices_to_sample, inputs.target_slot_mapping,
+                                      inputs.block_table, inputs.seq_lens)
+        return (ids, logits) if return_logits else ids
+
+    def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                   sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return self._draft_fn(input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens,
+                                  self.draft_cache)

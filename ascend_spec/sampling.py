@@ -1,0 +1,154 @@
+"""Per-request sampling parameters and sync-free batched sampling.
+
+``SamplingParams`` is the user-facing, validated host object. ``SamplingTensors`` is its batched device form, built once
+per batch (that may touch the host); everything that consumes it runs without host syncs, so it can sit inside a
+captured graph: no ``.item()``, no boolean-mask indexing, no data-dependent shapes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+# Temperatures below this are clamped: dividing by a denormal would overflow logits to inf and softmax to NaN.
+_MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling settings of one request. ``temperature == 0`` means greedy; ``top_k == 0`` disables top-k."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in the range (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator seeded with ``seed`` on ``device``, or ``None`` (global RNG) when ``seed`` is None.
+
+    One generator drives a whole batch, so a seeded request is reproducible for the same batch composition.
+    """
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingTensors:
+    """Batched sampling parameters on device; each field has shape ``[B]``.
+
+    The ``all_greedy``/``any_top_k``/``any_top_p`` flags are host booleans fixed at build time: they pick which
+    (static) computation runs, so skipping the sort for plain batches needs no sync.
+    """
+
+    temperature: torch.Tensor  # [B] float32; 1.0 on greedy rows (their probabilities are unused)
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1.0 = off
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool = False
+    any_top_k: bool = True
+    any_top_p: bool = True
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else max(p.temperature, _MIN_TEMPERATURE) for p, g in zip(params, greedy)]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            any_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy)),
+            any_top_p=any(p.top_p < 1 and not g for p, g in zip(params, greedy)),
+        )
+
+    @classmethod
+    def greedy_batch(cls, batch_size: int, device: torch.device | str = "cpu") -> "SamplingTensors":
+        return cls.from_params([SamplingParams()] * batch_size, device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+
+def _per_row(t: torch.Tensor, ndim: int) -> torch.Tensor:
+    """View a ``[B]`` (or leading-prefix shaped) parameter so it broadcasts over ``ndim``-dim logits."""
+    return t.reshape(t.shape + (1,) * (ndim - t.dim()))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k / top-p set with -inf (new tensor).
+
+    ``top_k``/``top_p`` have the shape of ``logits.shape[:-1]`` (already broadcast). Sort-based so per-row k and p
+    need no host values. Ties at the k-th value are all kept (threshold semantics, as in vLLM). Top-p keeps the
+    smallest set of highest tokens whose mass reaches p, measured after top-k.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+        threshold = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p).unsqueeze(-1)
+        drop[..., -1] = False  # the top token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return sorted_logits.scatter(-1, sorted_idx, sorted_logits)
+
+
+def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Float32 probabilities after temperature, top-k and top-p; ``st`` fields broadcast over leading dims.
+
+    ``logits`` is ``[B, ..., V]`` and ``st`` fields are ``[B]`` (or any leading prefix of ``logits.shape[:-1]``).
+    Greedy rows use temperature 1; their result is not meant to be used.
+    """
+    ndim = logits.dim()
+    lead = logits.shape[:-1]
+    temp = torch.where(st.greedy, torch.ones_like(st.temperature), st.temperature)
+    x = logits.float() / _per_row(temp, ndim)
+    top_k = _per_row(st.top_k, ndim - 1).expand(lead) if st.any_top_k else None
+    top_p = _per_row(st.top_p, ndim - 1).expand(lead) if st.any_top_p else None
+    if top_k is not None or top_p is not None:
+        x = apply_top_k_top_p(x, top_k, top_p)
+    return x.softmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample one index per row by the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``: sync-free, no multinomial.
+
+    ``probs`` need not be normalised (the race is scale-invariant per row). Returns int64 ``probs.shape[:-1]``.
+    """
+    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (int64, ``logits.shape[:-1]``): argmax on greedy rows, a sample from the processed probs on others."""
+    greedy_ids = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_ids
+    sampled = sample_from_probs(logits_to_probs(logits, st), generator)
+    return torch.where(_per_row(st.greedy, logits.dim() - 1), greedy_ids, sampled)

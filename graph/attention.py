@@ -1,0 +1,125 @@
+"""Multi-head latent attention (MLA) over a paged latent KV cache.
+
+One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`` = 576 floats, the layout of vLLM's
+MLA cache (``[num_blocks, block_size, 576]``). The paged path uses the "absorbed" form: queries are
+projected into the latent space with ``W_UK`` and outputs leave it with ``W_UV``, so keys and values are
+never materialised per head. The dense path (training) materialises them; both compute the same function.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import KV_BLOCK_SIZE, ModelConfig
+from .layers import RMSNorm, RotaryEmbedding
+
+
+class PagedInputs(NamedTuple):
+    """Per-forward attention inputs, all fixed-shape. ``B`` requests × ``Q`` query tokens each."""
+
+    positions: torch.Tensor  # [B, Q] int64
+    slot_mapping: torch.Tensor  # [B, Q] int64; -1 = write nothing (pad rows / pad tokens)
+    block_table: torch.Tensor  # [B, M] int32/int64; block ids of each request, in position order
+    seq_lens: torch.Tensor  # [B] int64; tokens in the cache after this forward (0 for pad rows)
+
+
+def write_latent_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+    """Write ``latent [N, L]`` into ``cache [num_blocks, block, L]`` at ``slot_mapping [N]``.
+
+    Slot -1 writes nothing. To keep shapes static those rows are redirected to slot 0 (the reserved
+    null block, never handed to a request) carrying slot 0's current value, so slot 0 is unchanged.
+    """
+    flat = cache.view(-1, cache.shape[-1])
+    valid = (slot_mapping >= 0).unsqueeze(-1)
+    index = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
+    values = torch.where(valid, latent.to(cache.dtype), flat[0].expand_as(latent))
+    flat.index_copy_(0, index, values)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rope = rope
+        h = cfg.num_attention_heads
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+
+    # -- shared projections ---------------------------------------------------------------------
+    def _queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.view(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope, self.rope(q_pe, positions)
+
+    def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_pe = self.rope(k_pe.unsqueeze(-2), positions).squeeze(-2)
+        return self.kv_a_layernorm(c_kv), k_pe
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                       cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # [H, nope, C], [H, v, C]
+
+    # -- paged (inference) --------------------------------------------------------------------
+    def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
+        """x: [B, Q, D] → [B, Q, D]; writes this forward's latents into ``cache`` first."""
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        q_nope, q_pe = self._queries(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope]
+        c_kv, k_pe = self._latent(x, inp.positions)
+        write_latent_cache(cache, inp.slot_mapping.reshape(-1),
+                           torch.cat([c_kv, k_pe], dim=-1).reshape(b * q_len, cfg.latent_dim))
+
+        ctx = cache[inp.block_table.long()].flatten(1, 2)  # [B, M*block, L]
+        ctx_c, ctx_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
+        scores = torch.einsum("bqhc,bkc->bqhk", q_lat, ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe, ctx_pe)
+        scores = scores.float() * cfg.softmax_scale
+
+        key_pos = torch.arange(ctx.shape[1], device=x.device)
+        visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
+            key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
+        # Key 0 stays visible so that pad rows (seq_len 0) get a finite, discarded result, not NaN.
+        visible = visible | (key_pos == 0).view(1, 1, -1)
+        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(ctx_c.dtype)
+        o_lat = torch.einsum("bqhk,bkc->bqhc", probs, ctx_c)
+        out = torch.einsum("bqhc,hvc->bqhv", o_lat, w_uv)
+        return self.o_proj(out.reshape(b, q_len, -1))
+
+    # -- dense (training and reference) ---------------------------------------------------------
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal attention over full sequences x: [B, S, D], positions 0..S-1, no cache."""
+        cfg = self.cfg
+        b, s, _ = x.shape
+        positions = torch.arange(s, device=x.device).expand(b, s)
+        q_nope, q_pe = self._queries(x, positions)
+        c_kv, k_pe = self._latent(x, positions)
+        kv = self.kv_b_proj(c_kv).view(b, s, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, cfg.num_attention_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=cfg.softmax_scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def num_blocks_for(tokens: int) -> int:
+    return (tokens + KV_BLOCK_SIZE - 1) // KV_BLOCK_SIZE

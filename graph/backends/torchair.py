@@ -1,0 +1,75 @@
+"""torchair on Ascend NPUs: ``torchair.get_npu_backend(compiler_config=...)``.
+
+torchair ships inside torch_npu and needs CANN; it is imported only when this backend is chosen.
+The ``CompilerConfig`` mapping mirrors vllm-ascend's torchair graph mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import BackendUnavailable, GraphFn
+
+#: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
+_MODE_ALIASES = {"max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead", "npugraph_ex": "npugraph_ex"}
+
+
+@dataclass(frozen=True, slots=True)
+class TorchairOptions:
+    mode: str = "max-autotune"
+    frozen_parameter: bool = True
+    view_optimize: bool = True
+    tiling_schedule_optimize: bool = False
+    use_cached_graph: bool = False
+
+
+def compiler_config_settings(opts: TorchairOptions) -> dict[str, Any]:
+    """The ``CompilerConfig`` attributes we set, as dotted paths → values (checked by the contract test)."""
+    return {
+        "mode": _MODE_ALIASES[opts.mode],
+        "experimental_config.frozen_parameter": opts.frozen_parameter,
+        "experimental_config.tiling_schedule_optimize": opts.tiling_schedule_optimize,
+        "experimental_config.enable_view_optimize": opts.view_optimize,
+    }
+
+
+def apply_settings(config: Any, settings: dict[str, Any]) -> Any:
+    for dotted, value in settings.items():
+        *parents, leaf = dotted.split(".")
+        target = config
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, leaf, value)
+    return config
+
+
+def _import_torchair() -> Any:
+    try:
+        import torch_npu  # noqa: F401  (registers the NPU device; needs CANN)
+        import torchair
+    except Exception as exc:  # ImportError, or OSError for missing CANN libraries such as libhccl.so
+        raise BackendUnavailable(
+            "backend 'torchair' needs torch_npu with CANN on an Ascend NPU machine "
+            f"(import failed: {exc!r}); use backend 'inductor' or 'eager' elsewhere") from exc
+    return torchair
+
+
+class TorchairBackend:
+    name = "torchair"
+    reuses_outputs = True
+
+    def __init__(self, opts: TorchairOptions) -> None:
+        self.opts = opts
+        self._torchair = _import_torchair()
+        config = apply_settings(self._torchair.CompilerConfig(), compiler_config_settings(opts))
+        self._npu_backend = self._torchair.get_npu_backend(compiler_config=config)
+        self._config = config
+
+    def compile(self, fn: GraphFn, tag: str) -> GraphFn:
+        if self.opts.use_cached_graph:
+            # One cache_compile per batch size; ``fn`` already carries a per-size co_name (clone_with_name),
+            # so Dynamo does not invalidate one size's cache when another compiles.
+            return self._torchair.inference.cache_compile(fn, config=self._config, dynamic=False)
+        return torch.compile(fn, backend=self._npu_backend, fullgraph=True, dynamic=False)

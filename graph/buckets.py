@@ -1,0 +1,95 @@
+"""Batch buckets: one compiled graph per padded batch size, replayed every step.
+
+Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
+fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
+outputs back to ``b`` rows. Batches above the largest bucket run eagerly, with one warning.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from .backends.base import Backend, compile_per_bucket
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchArg:
+    """A per-request input (first dim = batch) and the value its pad rows hold."""
+
+    name: str
+    pad_value: float | int
+
+
+class BucketedGraph:
+    def __init__(self, backend: Backend, fn: Callable, prefix: str, sizes: Sequence[int],
+                 batch_args: Sequence[BatchArg]) -> None:
+        if not sizes:
+            raise ValueError(f"{prefix}: graph batch sizes must not be empty")
+        self.backend = backend
+        self.eager_fn = fn
+        self.prefix = prefix
+        self.sizes = sorted(set(sizes))
+        self.batch_args = tuple(batch_args)
+        self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._warned_eager = False
+        self.compile_seconds: dict[int, float] = {}
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def _buffer(self, arg: BatchArg, like: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(arg.name)
+        if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.full((self.max_size, *like.shape[1:]), arg.pad_value, dtype=like.dtype, device=like.device)
+            self._buffers[arg.name] = buf
+        return buf
+
+    def __call__(self, batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = ()) -> tuple:
+        if len(batch_inputs) != len(self.batch_args):
+            raise ValueError(f"{self.prefix}: expected {len(self.batch_args)} batch inputs "
+                             f"({[a.name for a in self.batch_args]}), got {len(batch_inputs)}")
+        b = batch_inputs[0].shape[0]
+        bucket = self.bucket_for(b)
+        if bucket is None:
+            if not self._warned_eager:
+                logger.warning("%s: batch of %d requests exceeds the largest graph bucket (%d); running eagerly",
+                               self.prefix, b, self.max_size)
+                self._warned_eager = True
+            return tuple(self.eager_fn(*batch_inputs, *static_inputs))
+        padded = []
+        for arg, x in zip(self.batch_args, batch_inputs):
+            buf = self._buffer(arg, x)
+            buf[:b].copy_(x)
+            buf[b:bucket].fill_(arg.pad_value)
+            padded.append(buf[:bucket])
+        outputs = self.graphs[bucket](*padded, *static_inputs)
+        if self.backend.reuses_outputs:
+            return tuple(o[:b].clone() for o in outputs)
+        return tuple(o[:b] for o in outputs)
+
+    def warmup(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
+               progress: bool = True) -> dict[int, float]:
+        """Compile every bucket, largest first (as nano-vllm captures), with all rows padded (inert)."""
+        for size in tqdm(sorted(self.sizes, reverse=True), desc=f"compile {self.prefix}", disable=not progress):
+            start = time.perf_counter()
+            padded = []
+            for arg, x in zip(self.batch_args, example_batch_inputs):
+                padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
+            self.graphs[size](*padded, *static_inputs)
+            self.compile_seconds[size] = time.perf_counter() - start
+            logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
+        return dict(self.compile_seconds)

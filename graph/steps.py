@@ -1,0 +1,81 @@
+"""The two fixed-shape step functions that get compiled per batch bucket.
+
+- ``target_step``: one target forward of ``[B, Q]`` tokens (decode: Q = 1; verify: Q = 1 + K).
+- ``draft_step``: the MTP proposer's whole K-token chain for ``[B, Q]`` verified tokens.
+Both are plain functions over tensors (the model is closed over), so the same definition runs eagerly,
+under torch.compile (inductor / CUDA graphs) and under torchair.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .attention import PagedInputs
+from .config import KV_BLOCK_SIZE
+from .model import DeepseekV3ForCausalLM
+
+TargetStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def slots_for(positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Cache slot of each position: ``block_table[b, pos // 16] * 16 + pos % 16`` (same shape as positions)."""
+    blocks = torch.gather(block_table.long(), 1, torch.div(positions, KV_BLOCK_SIZE, rounding_mode="floor"))
+    return blocks * KV_BLOCK_SIZE + positions % KV_BLOCK_SIZE
+
+
+def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
+    def target_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+        hidden = model.target_paged(input_ids, inp, list(caches))
+        return hidden, model.logits(hidden)
+
+    return target_step
+
+
+def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, max_model_len: int) -> DraftStep:
+    """Chain the MTP layer K times, as vLLM does when the checkpoint has fewer MTP layers than K.
+
+    Step k+1 is fed ``shared_head.norm`` of step k's pre-norm hidden state (vLLM 0.32 and SGLang recycle
+    the post-norm state, so it plays the role the target's final norm plays for step 1).
+    Inputs are the verified batch ``[B, Q]``: ``input_ids`` already shifted left by one with the next token
+    written at ``sample_idx`` (the last accepted position of each row), the target's ``hidden`` states, its
+    positions and slots (the draft cache shares the target's block table). Steps 2..K feed back the previous
+    draft token and MTP hidden state one position later; positions past ``max_model_len`` clamp to 0 and
+    write nothing (slot -1), and pad rows (``seq_lens == 0``) never write.
+    """
+
+    def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
+                   slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+        h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
+        idx = sample_idx.long().view(-1, 1)
+        h_last = torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)  # [B, D]
+        logits = model.mtp_logits(h_last, step=0)
+        token = logits.argmax(dim=-1)
+        tokens, all_logits = [token], [logits]
+        pos = torch.gather(positions, 1, idx).squeeze(1)
+        live = seq_lens > 0
+        for step in range(1, num_speculative_tokens):
+            pos = pos + 1
+            exceeds = pos >= max_model_len
+            clamped = torch.where(exceeds, torch.zeros_like(pos), pos)
+            writable = live & ~exceeds
+            slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table).view(-1),
+                               torch.full_like(pos, -1))
+            step_seq_lens = torch.where(writable, clamped + 1, live.long())
+            step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens)
+            h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
+            h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,
+                                     step=step).squeeze(1)
+            logits = model.mtp_logits(h_last, step=step)
+            token = logits.argmax(dim=-1)
+            tokens.append(token)
+            all_logits.append(logits)
+        return torch.stack(tokens, dim=1), torch.stack(all_logits, dim=1)
+
+    return draft_step
