@@ -34,6 +34,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
     tensors: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     problems: list[str] = []
     for path in _checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
@@ -41,13 +42,14 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                 if name not in expected:
                     problems.append(f"unexpected tensor {name!r} in {path.name}")
                     continue
+                seen.add(name)
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     problems.append(f"shape mismatch for {name!r}: expected {list(expected[name])}, found {list(shape)}")
                     continue
                 tensors[name] = f.get_tensor(name)
     problems += [f"missing tensor {name!r} (expected shape {list(shape)})"
-                 for name, shape in expected.items() if name not in tensors and not _is_derived(name)]
+                 for name, shape in expected.items() if name not in seen]
     if problems:
         raise WeightLoadError(f"checkpoint {model_dir} does not match its config.json:\n  " + "\n  ".join(problems))
 
@@ -55,10 +57,6 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=False)
     _init_rope_buffers(model, device)
     return model.to(dtype=dtype).eval()
-
-
-def _is_derived(name: str) -> bool:
-    return False
 
 
 def _init_rope_buffers(model: DeepseekV3ForCausalLM, device: str | torch.device) -> None:

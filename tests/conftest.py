@@ -1,0 +1,42 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascend_spec.graph.config import ModelConfig
+from ascend_spec.graph.model import DeepseekV3ForCausalLM
+from ascend_spec.graph.weights import save_model
+from ascend_spec.models import BUNDLED_MODEL_DIR
+
+TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                   kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
+                   max_position_embeddings=256, eos_token_id=0)
+
+
+def random_model(cfg: ModelConfig = TINY, seed: int = 0) -> DeepseekV3ForCausalLM:
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+            else:
+                p.uniform_(0.8, 1.2)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random-weight checkpoint in the bundled format (config.json + model.safetensors)."""
+    d = tmp_path_factory.mktemp("tiny_ckpt")
+    save_model(random_model(), d)
+    (d / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    return d
+
+
+@pytest.fixture(scope="session")
+def bundled_dir() -> Path:
+    if not (BUNDLED_MODEL_DIR / "model.safetensors").is_file():
+        pytest.fail(f"bundled checkpoint missing in {BUNDLED_MODEL_DIR}; run tools/train_tiny.py")
+    return BUNDLED_MODEL_DIR

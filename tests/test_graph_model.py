@@ -1,0 +1,140 @@
+"""graph/: config validation, weight loading errors, paged vs dense parity, cache writes, RoPE layout."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ascend_spec.graph.attention import PagedInputs, write_latent_cache
+from ascend_spec.graph.config import ConfigError, ModelConfig
+from ascend_spec.graph.layers import RotaryEmbedding
+from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
+from ascend_spec.graph.weights import WeightLoadError, load_model
+
+from .conftest import TINY, random_model
+
+
+def _layout(n: int, blocks: list[int]):
+    bt = torch.tensor([blocks])
+    pos = torch.arange(n).view(1, -1)
+    return bt, pos, slots_for(pos, bt)
+
+
+def test_non_deepseek_config_is_rejected():
+    hf = TINY.to_hf_dict()
+    hf["model_type"] = "llama"
+    with pytest.raises(ConfigError, match="model_type='llama'"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_moe_layers_are_rejected():
+    hf = TINY.to_hf_dict()
+    hf["first_k_dense_replace"] = 1
+    with pytest.raises(ConfigError, match="first_k_dense_replace"):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_roundtrip_load(tiny_ckpt):
+    model = load_model(tiny_ckpt)
+    ref = random_model()
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("problem", ["missing", "unexpected", "shape"])
+def test_weight_errors_name_the_tensor(tiny_ckpt, tmp_path, problem):
+    tensors = load_file(str(tiny_ckpt / "model.safetensors"))
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    if problem == "missing":
+        del tensors[name]
+        expect = f"missing tensor '{name}'"
+    elif problem == "unexpected":
+        tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2, 2)
+        expect = "unexpected tensor 'model.layers.9.mlp.up_proj.weight'"
+    else:
+        tensors[name] = torch.zeros(3, 512)
+        expect = rf"shape mismatch for '{name}': expected \[64, 512\], found \[3, 512\]"
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_dict()))
+    with pytest.raises(WeightLoadError, match=expect):
+        load_model(tmp_path)
+
+
+def test_paged_matches_dense_prefill_and_decode():
+    model = random_model()
+    ids = torch.randint(1, TINY.vocab_size, (1, 37))
+    bt, pos, slots = _layout(37, [3, 1, 4])
+    with torch.no_grad():
+        dense = model.target_dense(ids)
+        caches = tuple(torch.zeros(6, 16, 576) for _ in range(2))
+        step = make_target_step(model)
+        prefill, _ = step(ids[:, :30], pos[:, :30], slots[:, :30], bt, torch.tensor([30]), caches)
+        decoded = [step(ids[:, t:t + 1], pos[:, t:t + 1], slots[:, t:t + 1], bt, torch.tensor([t + 1]), caches)[0]
+                   for t in range(30, 37)]
+    torch.testing.assert_close(prefill, dense[:, :30], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(decoded, 1), dense[:, 30:], atol=1e-4, rtol=1e-4)
+
+
+def test_first_draft_matches_dense_mtp():
+    """The paged draft's first step equals DeepSeek-V3's MTP on full sequences (h_t, token t+1 → t+2)."""
+    model = random_model()
+    ids = torch.randint(1, TINY.vocab_size, (1, 25))
+    n = 20
+    bt, pos, slots = _layout(n, [1, 2])
+    with torch.no_grad():
+        dense_h = model.target_dense(ids)
+        mtp_logits = model.mtp_logits(model.mtp_layer().forward_dense_mtp(ids[:, 1:], dense_h[:, :-1]))
+        caches = tuple(torch.zeros(4, 16, 576) for _ in range(2))
+        hidden, _ = make_target_step(model)(ids[:, :n], pos, slots, bt, torch.tensor([n]), caches)
+        draft_in = torch.cat([ids[:, 1:n], ids[:, n:n + 1]], 1)
+        _, logits = make_draft_step(model, 2, 64)(draft_in, pos, hidden, torch.tensor([n - 1]), slots, bt,
+                                                  torch.tensor([n]), torch.zeros(4, 16, 576))
+    torch.testing.assert_close(logits[0, 0], mtp_logits[0, n - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_slot_minus_one_writes_nothing():
+    cache = torch.randn(3, 16, 8)
+    before = cache.clone()
+    write_latent_cache(cache, torch.tensor([-1, 17, -1]), torch.ones(3, 8))
+    changed = (cache != before).any(-1).flatten().nonzero().flatten().tolist()
+    assert changed == [17]
+    assert torch.equal(cache.view(-1, 8)[17], torch.ones(8))
+
+
+def test_pad_rows_are_finite_and_inert():
+    model = random_model()
+    caches = tuple(torch.zeros(4, 16, 576) for _ in range(2))
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    ids[0] = torch.tensor([5, 6, 7])
+    bt = torch.tensor([[1, 2], [0, 0]])
+    pos = torch.tensor([[0, 1, 2], [0, 0, 0]])
+    slots = torch.tensor([[16, 17, 18], [-1, -1, -1]])
+    with torch.no_grad():
+        hidden, logits = make_target_step(model)(ids, pos, slots, bt, torch.tensor([3, 0]), caches)
+    assert torch.isfinite(logits).all()
+    assert torch.equal(caches[0][0], torch.zeros(16, 576)), "pad rows wrote into the null block"
+
+
+def test_rope_is_interleaved_gptj_style():
+    rope = RotaryEmbedding(4, 16, 10000.0)
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])
+    out = rope(x, torch.tensor([3]))
+    f0, f1 = 3 * 1.0, 3 * 10000 ** (-0.5)
+    import math
+    expect = [1 * math.cos(f0) - 2 * math.sin(f0), 2 * math.cos(f0) + 1 * math.sin(f0),
+              3 * math.cos(f1) - 4 * math.sin(f1), 4 * math.cos(f1) + 3 * math.sin(f1)]
+    torch.testing.assert_close(out.flatten(), torch.tensor(expect), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.vllm
+def test_rope_matches_vllm_deepseek_rope():
+    rotary = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
+    ours = RotaryEmbedding(64, 128, 10000.0)
+    theirs = rotary.get_rope(64, max_position=128, is_neox_style=False, rope_parameters={"rope_theta": 10000.0,
+                                                                                          "rope_type": "default"})
+    pos = torch.arange(0, 100, 7)
+    q = torch.randn(len(pos), 2, 64)
+    k = torch.randn(len(pos), 1, 64)
+    q_ref, k_ref = theirs.forward_native(pos, q.clone().flatten(1), k.clone().flatten(1))
+    torch.testing.assert_close(ours(q, pos).flatten(1), q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours(k, pos).flatten(1), k_ref, atol=1e-5, rtol=1e-5)
