@@ -288,14 +288,16 @@ class Engine:
                                                  seq_lens_c))
 
     # -- generation loop ------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], max_tokens: int,
-                 seed: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 max_tokens: int | list[int], seed: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens={max_tokens}; allowed: >= 1")
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(prompts)
+        if len(max_tokens) != len(prompts) or any(m < 1 for m in max_tokens):
+            raise ValueError(f"max_tokens={max_tokens}; allowed: an int >= 1, or one per prompt")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -308,7 +310,7 @@ class Engine:
         if not self._warm and self.backend.name != "eager":
             self.warmup()
         generator = make_generator(seed, self.device)
-        seqs = [Sequence(i, list(p), sp, max_tokens) for i, (p, sp) in enumerate(zip(prompts, params))]
+        seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
         waiting, running = deque(seqs), []
         stats = RunStats(backend=self.backend.name)
         metrics = SpecMetrics(self.k) if self.k else None

@@ -1,0 +1,176 @@
+"""Graph mode: inductor vs eager parity per bucket, zero recompiles after warm-up, proposer signatures."""
+import inspect
+import random
+
+import pytest
+import torch
+
+from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import dynamo_compile_count, load_engine
+from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.weights import load_model
+from ascend_spec.proposer import MtpProposer
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.tokenizer import TextTokenizer
+from ascend_spec.torchair_proposer import MtpTorchairProposer
+
+SIZES = (1, 2, 4)
+TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
+         "    return", "raise ValueError("]
+
+
+def test_public_methods_keep_base_signatures():
+    public = [n for n, f in inspect.getmembers(MtpProposer, inspect.isfunction) if not n.startswith("_")]
+    assert {"propose", "prepare_next_token_ids_padded", "prepare_inputs_padded", "prepare_inputs", "load_model",
+            "dummy_run"} <= set(public)
+    for name in public:
+        assert inspect.signature(getattr(MtpTorchairProposer, name)) == inspect.signature(getattr(MtpProposer, name)), name
+
+
+def _record_draft_calls(model_dir, k, prompts):
+    """Run the eager engine and record each padded draft call: its inputs, the draft cache before it, its outputs."""
+    eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
+                                              speculative=SpeculativeConfig(num_speculative_tokens=k),
+                                              graph=TorchairGraphConfig(enabled=False, backend="eager")))
+    calls = []
+    original = eng.proposer.propose
+
+    def recording(inputs, return_logits=False):
+        before = eng.proposer.draft_cache.clone()
+        ids, logits = original(inputs, return_logits=True)
+        if inputs.target_token_ids.shape[1] == 1 + k:
+            calls.append((inputs, before, ids, logits))
+        return (ids, logits) if return_logits else ids
+
+    eng.proposer.propose = recording
+    eng.generate(prompts, SamplingParams(), [6, 9, 12, 15, 18, 21][: len(prompts)])
+    return eng.model, calls
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_inductor_draft_parity_every_bucket(bundled_dir, k):
+    tok = TextTokenizer(bundled_dir)
+    model, calls = _record_draft_calls(bundled_dir, k, [tok.encode(t) for t in TEXTS])
+    batch_sizes = {c[0].target_token_ids.shape[0] for c in calls}
+    assert {1, 2, 3, 4} <= batch_sizes  # every bucket, and 3 padded up to 4
+    cache = torch.zeros_like(calls[0][1])
+    compiled = MtpTorchairProposer(model, SpeculativeConfig(num_speculative_tokens=k), 128, cache,
+                                   backend=get_backend("inductor", "cpu"), batch_sizes=list(SIZES))
+    compiled.warmup(progress=False)
+    worst = 0.0
+    for inputs, cache_before, ids, logits in calls:
+        cache.copy_(cache_before)
+        got_ids, got_logits = compiled.propose(inputs, return_logits=True)
+        assert torch.equal(got_ids, ids)
+        worst = max(worst, (got_logits - logits).abs().max().item())
+    print(f"K={k}: {len(calls)} draft calls over batch sizes {sorted(batch_sizes)}; max |logit diff| = {worst:.2e}")
+    assert worst < 1e-3
+
+
+@pytest.fixture(scope="module")
+def inductor_engine(bundled_dir):
+    eng = load_engine(bundled_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
+                                                speculative=SpeculativeConfig(num_speculative_tokens=2),
+                                                graph=TorchairGraphConfig(backend="inductor",
+                                                                          graph_batch_sizes=SIZES)))
+    eng.warmup(progress=False)
+    return eng
+
+
+def test_end_to_end_greedy_identical_across_backends(bundled_dir, inductor_engine):
+    tok = TextTokenizer(bundled_dir)
+    prompts = [tok.encode(t) for t in TEXTS]
+    eager = load_engine(bundled_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
+                                                  speculative=SpeculativeConfig(num_speculative_tokens=2),
+                                                  graph=TorchairGraphConfig(enabled=False, backend="eager")))
+    ref, _, ref_m = eager.generate(prompts, SamplingParams(), 40)
+    got, stats, m = inductor_engine.generate(prompts, SamplingParams(), 40)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert m.as_dict() == ref_m.as_dict()
+    assert stats.backend == "inductor"
+    assert stats.recompiles_after_warmup == 0
+
+
+def test_zero_recompiles_over_1000_steps(bundled_dir, inductor_engine):
+    tok = TextTokenizer(bundled_dir)
+    rng = random.Random(0)
+    base = [tok.encode(t) for t in TEXTS]
+    prompts = [base[i % len(base)] for i in range(260)]
+    max_tokens = [rng.randint(1, 70) for _ in prompts]
+    seen_batches = set()
+    step = inductor_engine._step
+
+    def tracking(running, *args):
+        seen_batches.add(len(running))
+        return step(running, *args)
+
+    inductor_engine._step = tracking
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _, stats, _ = inductor_engine.generate(prompts, SamplingParams(), max_tokens)
+    finally:
+        del inductor_engine._step
+    assert stats.num_steps >= 1000, stats.num_steps
+    assert seen_batches == {1, 2, 3, 4}
+    assert stats.recompiles_after_warmup == 0
+
+
+def test_compile_counter_sees_new_graphs():
+    """The recompile figure can fail: compiling a new shape moves the counter."""
+    fn = torch.compile(lambda x: x * 2 + 1, fullgraph=True, dynamic=False)
+    before = dynamo_compile_count()
+    fn(torch.ones(3))
+    fn(torch.ones(5))
+    assert dynamo_compile_count() > before
+
+
+def test_batch_above_largest_bucket_runs_eagerly(bundled_dir, caplog):
+    model = load_model(bundled_dir)
+    cache = torch.zeros(20, 16, 576)
+    prop = MtpTorchairProposer(model, SpeculativeConfig(num_speculative_tokens=1), 64, cache,
+                               backend=get_backend("eager", "cpu"), batch_sizes=[1, 2])
+    with caplog.at_level("WARNING"):
+        prop.dummy_run(3)
+        prop.dummy_run(3)
+    warnings = [r for r in caplog.records if "exceeds the largest graph bucket" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_reduce_overhead_parity(bundled_dir):
+    cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
+    tok = TextTokenizer(bundled_dir)
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    ref, _, _ = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+                                                      **cfg), device="cuda").generate(prompts, SamplingParams(), 24)
+    eng = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(backend="auto", graph_batch_sizes=SIZES),
+                                                **cfg), device="cuda")
+    assert eng.backend.name == "inductor" and eng.backend.reuses_outputs
+    got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert stats.recompiles_after_warmup == 0
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401
+
+        return torch.npu.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not _npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
+@pytest.mark.parametrize("use_cached_graph", [False, True])
+def test_npu_torchair_parity(bundled_dir, use_cached_graph):
+    cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
+    tok = TextTokenizer(bundled_dir)
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    ref, _, _ = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+                                                      **cfg), device="npu").generate(prompts, SamplingParams(), 24)
+    graph = TorchairGraphConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
+    eng = load_engine(bundled_dir, EngineConfig(graph=graph, **cfg), device="npu")
+    got, _, _ = eng.generate(prompts, SamplingParams(), 24)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]

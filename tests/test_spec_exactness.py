@@ -1,0 +1,94 @@
+"""Greedy speculative output equals greedy output without speculation, token for token (bundled checkpoint).
+
+When two greedy runs diverge, the failure message reports the no-spec run's top-2 logit gap at the first differing
+token: a gap near float rounding is numerics (DESIGN.md, "Exactness"), anything larger is a bug.
+"""
+import pytest
+import torch
+
+from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import load_engine
+from ascend_spec.graph.weights import load_model
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.tokenizer import TextTokenizer
+
+EAGER = TorchairGraphConfig(enabled=False, backend="eager")
+TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
+         "x", "    return", '"""Module docstring.\n\nThis module', "if __name__ == '__main__':\n    main(",
+         "try:\n    import json\nexcept ImportError:\n", "self.assertEqual(", "def __repr__(self):\n        return",
+         "#", "with open(path) as f:\n", "raise ValueError(", "lambda x:", "@property\ndef name(self):\n"]
+
+
+@pytest.fixture(scope="module")
+def setup(bundled_dir):
+    tok = TextTokenizer(bundled_dir)
+    prompts = [tok.encode(t) for t in TEXTS]
+    # Staggered lengths so the running batch shrinks through every size down to 1.
+    max_tokens = [12 + 3 * i for i in range(len(prompts))]
+    return bundled_dir, prompts, max_tokens
+
+
+def _run(model_dir, prompts, max_tokens, spec, max_num_seqs=16, max_model_len=256):
+    eng = load_engine(model_dir, EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                              speculative=spec, graph=EAGER))
+    outs, stats, metrics = eng.generate(prompts, SamplingParams(), max_tokens)
+    return [o.token_ids for o in outs], [o.finish_reason for o in outs], metrics
+
+
+def _top2_gap(model_dir, prompt, generated, index) -> float:
+    """No-spec logit gap between the top two tokens where the runs first differ."""
+    model = load_model(model_dir)
+    ids = torch.tensor([prompt + generated[:index]])
+    with torch.no_grad():
+        logits = model.logits(model.target_dense(ids))[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_tokens(model_dir, prompts, ref, got, label):
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            gap = _top2_gap(model_dir, prompts[i], a, first)
+            pytest.fail(f"{label}: prompt {i} diverges at generated token {first} ({a[first:first + 3]} vs "
+                        f"{b[first:first + 3]}); no-spec top-2 logit gap there = {gap:.3g}")
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    model_dir, prompts, max_tokens = setup
+    return _run(model_dir, prompts, max_tokens, None)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_spec_equals_no_spec(setup, reference, k, padded):
+    model_dir, prompts, max_tokens = setup
+    spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded)
+    tokens, reasons, metrics = _run(model_dir, prompts, max_tokens, spec)
+    assert_same_tokens(model_dir, prompts, reference[0], tokens, f"K={k} {'padded' if padded else 'unpadded'}")
+    assert reasons == reference[1]
+    # The trained MTP head must actually be drafting useful tokens, not just be harmless.
+    assert metrics.acceptance_rate > 0.3, metrics.as_dict()
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_small_batches(setup, batch):
+    model_dir, prompts, max_tokens = setup
+    ref, _, _ = _run(model_dir, prompts[:6], max_tokens[:6], None, max_num_seqs=batch)
+    got, _, _ = _run(model_dir, prompts[:6], max_tokens[:6], SpeculativeConfig(num_speculative_tokens=2),
+                     max_num_seqs=batch)
+    assert_same_tokens(model_dir, prompts[:6], ref, got, f"batch {batch}")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_request_reaching_max_model_len(setup, k):
+    model_dir, prompts, _ = setup
+    long_prompt = (prompts[0] * 40)[:90]
+    batch = [long_prompt, prompts[1], prompts[2]]
+    ref, ref_reasons, _ = _run(model_dir, batch, 200, None, max_model_len=100)
+    got, reasons, _ = _run(model_dir, batch, 200, SpeculativeConfig(num_speculative_tokens=k), max_model_len=100)
+    assert ref_reasons == ["max_model_len"] * 3
+    assert len(ref[0]) == 10 and len(ref[1]) == 100 - len(prompts[1])
+    assert_same_tokens(model_dir, batch, ref, got, f"max_model_len K={k}")
+    assert reasons == ref_reasons
