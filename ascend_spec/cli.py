@@ -81,7 +81,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     tok = TextTokenizer(args.model)
     prompts = read_prompts(args)
-    engine = load_engine(args.model, cfg)
+    # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
+    engine = load_engine(args.model, cfg, count_host_syncs=args.json)
     if engine.backend_name != "eager":
         engine.warmup(progress=not args.json)
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,

@@ -31,7 +31,7 @@ from .kv_cache import KVCaches
 from .metrics import SpecMetrics
 from .proposer import DraftInputs, MtpProposer
 from .sampling import SamplingParams, SamplingTensors, make_generator, sample
-from .sync_counter import HostSyncCounter
+from .sync_counter import HostSyncCounter, suspended_if_compiled
 from .torchair_proposer import MtpTorchairProposer
 
 logger = logging.getLogger(__name__)
@@ -218,8 +218,9 @@ class Engine:
             if counter is not None:
                 counter.__enter__()
             try:
-                hidden, logits = self.target_graph([input_ids, positions, slots, table, seq_lens],
-                                                   (self.caches.target,))
+                with suspended_if_compiled(self.backend):
+                    hidden, logits = self.target_graph([input_ids, positions, slots, table, seq_lens],
+                                                       (self.caches.target,))
                 if self.proposer is None:
                     sampled = sample(logits[:, 0], st, generator).view(b, 1)
                     valid = torch.ones(b, dtype=torch.long, device=dev)

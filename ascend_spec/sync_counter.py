@@ -17,7 +17,9 @@ Each event is counted once: while a function-level sync runs, the aten ops it di
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager, nullcontext
+
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -100,6 +102,34 @@ class _DispatchLayer(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_ACTIVE: list["HostSyncCounter"] = []
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Run a compiled graph replay outside the innermost active counter.
+
+    Dynamo would retrace a compiled function under a Python dispatch mode; and a ``fullgraph=True`` graph cannot
+    contain a host sync (it would be a graph break, which fullgraph turns into a compile error), so nothing is lost.
+    """
+    if not _ACTIVE:
+        yield
+        return
+    counter = _ACTIVE[-1]
+    counter._function.__exit__(None, None, None)
+    counter._dispatch.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        counter._dispatch.__enter__()
+        counter._function.__enter__()
+
+
+def suspended_if_compiled(backend: Any) -> Any:
+    """``suspended()`` for compiled backends; eager graph definitions stay counted op by op."""
+    return nullcontext() if getattr(backend, "name", "eager") == "eager" else suspended()
+
+
 class HostSyncCounter:
     """Context manager counting host syncs; ``strict=True`` raises at the first one (for a usable traceback)."""
 
@@ -126,9 +156,11 @@ class HostSyncCounter:
         except BaseException:
             self._dispatch.__exit__(None, None, None)
             raise
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
         try:
             self._function.__exit__(*exc)
         finally:

@@ -14,6 +14,7 @@ from .graph.backends import Backend, get_backend
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
+from .sync_counter import suspended_if_compiled
 
 DRAFT_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("hidden", 0.0),
                     BatchArg("sample_idx", 0), BatchArg("slot_mapping", -1), BatchArg("block_table", 0),
@@ -51,6 +52,6 @@ class MtpTorchairProposer(MtpProposer):
         if input_ids.shape[1] != 1 + self.num_speculative_tokens:
             # Prefill and the unpadded path have other query widths: the eager reference handles them.
             return super()._run_draft(input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens)
-        with torch.no_grad():
+        with torch.no_grad(), suspended_if_compiled(self.backend):
             return self.graph([input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens],
                               (self.draft_cache,))

@@ -1,0 +1,80 @@
+"""Configuration validation (vLLM / vllm-ascend keys), YAML + flags, and the CLI's JSON contract."""
+import json
+
+import pytest
+
+from ascend_spec.cli import main
+from ascend_spec.config import (ConfigError, SpeculativeConfig, TorchairGraphConfig, default_graph_batch_sizes,
+                                power_of_two_batch_sizes)
+
+
+def test_speculative_config_validation():
+    assert SpeculativeConfig.from_dict({"method": "mtp", "num_speculative_tokens": 3}).num_speculative_tokens == 3
+    with pytest.raises(ConfigError, match=r"method='eagle'; allowed: \['deepseek_mtp', 'mtp'\]"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ConfigError, match="num_speculative_tokens=0"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['num_spec_tokens'\]"):
+        SpeculativeConfig.from_dict({"num_spec_tokens": 2})
+
+
+def test_graph_config_validation():
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['enable_kv_nz'\]"):
+        TorchairGraphConfig.from_dict({"enable_kv_nz": True})
+    with pytest.raises(ConfigError, match=r"\['graph_batch_sizes'\] set while enabled is false"):
+        TorchairGraphConfig.from_dict({"enabled": False, "graph_batch_sizes": [1, 2]})
+    with pytest.raises(ConfigError, match="mode='fast'"):
+        TorchairGraphConfig.from_dict({"mode": "fast"})
+    with pytest.raises(ConfigError, match="backend='tvm'"):
+        TorchairGraphConfig.from_dict({"backend": "tvm"})
+    assert TorchairGraphConfig.from_dict({"enabled": False}).effective_backend == "eager"
+
+
+def test_buckets():
+    assert default_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert default_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert power_of_two_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert TorchairGraphConfig.from_dict({"graph_batch_sizes": [8, 2, 2]}).batch_sizes(16) == [2, 8]
+    assert TorchairGraphConfig.from_dict({"graph_batch_sizes_init": True}).batch_sizes(16) == [1, 2, 4, 8, 16]
+
+
+def _run_cli(capsys, *argv):
+    code = main(["generate", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json(capsys, tmp_path):
+    cfg = tmp_path / "spec.yaml"
+    cfg.write_text("speculative_config:\n  method: deepseek_mtp\n  num_speculative_tokens: 1\n"
+                   "additional_config:\n  torchair_graph_config:\n    enabled: false\n")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\\n\nimport os\n")
+    code, out, _ = _run_cli(capsys, "--json", "--config", str(cfg), "--prompts-file", str(prompts),
+                            "--prompt", "x = [", "--max-tokens", "12", "--num-speculative-tokens", "2")
+    assert code == 0
+    data = json.loads(out)
+    assert [o["prompt"] for o in data["outputs"]] == ["x = [", "def add(a, b):\n", "import os"]
+    assert all(len(o["token_ids"]) <= 12 and o["text"] for o in data["outputs"])
+    assert data["backend"] == "eager" and data["speculative"] == "deepseek_mtp K=2"  # flag overrides the file
+    assert data["host_syncs_per_step"] == 0
+    assert 0 <= data["acceptance_rate"] <= 1 and len(data["acceptance_per_position"]) == 2
+    assert data["tokens_per_s"] > 0
+
+
+def test_cli_no_spec_matches_spec_text(capsys):
+    args = ["--json", "--backend", "eager", "--prompt", "class Stack:\n", "--max-tokens", "20"]
+    _, spec_out, _ = _run_cli(capsys, *args)
+    _, plain_out, _ = _run_cli(capsys, *args, "--no-spec")
+    spec, plain = json.loads(spec_out), json.loads(plain_out)
+    assert spec["outputs"][0]["token_ids"] == plain["outputs"][0]["token_ids"]
+    assert plain["acceptance_rate"] is None
+
+
+def test_cli_bad_input_is_one_clear_error(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("speculative_config:\n  num_speculative_tokens: 99\n")
+    code, _, err = _run_cli(capsys, "--config", str(bad))
+    assert code == 2 and "num_speculative_tokens=99" in err
+    code, _, err = _run_cli(capsys, "--temperature", "-1", "--backend", "eager")
+    assert code == 2 and "temperature" in err
