@@ -129,9 +129,13 @@ def test_rope_is_interleaved_gptj_style():
 @pytest.mark.vllm
 def test_rope_matches_vllm_deepseek_rope():
     rotary = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     ours = RotaryEmbedding(64, 128, 10000.0)
-    theirs = rotary.get_rope(64, max_position=128, is_neox_style=False, rope_parameters={"rope_theta": 10000.0,
-                                                                                          "rope_type": "default"})
+    with set_current_vllm_config(VllmConfig()):
+        # DeepSeek's attention in vLLM builds its rope with is_neox_style=False when rope_scaling is null.
+        theirs = rotary.get_rope(64, max_position=128, is_neox_style=False,
+                                 rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})
     pos = torch.arange(0, 100, 7)
     q = torch.randn(len(pos), 2, 64)
     k = torch.randn(len(pos), 1, 64)
