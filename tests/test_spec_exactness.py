@@ -92,3 +92,14 @@ def test_request_reaching_max_model_len(setup, k):
     assert len(ref[0]) == 10 and len(ref[1]) == 100 - len(prompts[1])
     assert_same_tokens(model_dir, batch, ref, got, f"max_model_len K={k}")
     assert reasons == ref_reasons
+
+
+def test_seeded_random_sampling_is_reproducible(setup):
+    model_dir, prompts, _ = setup
+    eng = load_engine(model_dir, EngineConfig(max_model_len=256, max_num_seqs=4,
+                                              speculative=SpeculativeConfig(num_speculative_tokens=2), graph=EAGER))
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+    run = lambda seed: [o.token_ids for o in eng.generate(prompts[:4], params, 24, seed=seed)[0]]  # noqa: E731
+    first = run(7)
+    assert run(7) == first
+    assert run(8) != first

