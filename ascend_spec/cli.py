@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = None) -> EngineConfig:
     data = load_yaml_config(args.config) if args.config else {}
     spec = dict(data.get("speculative_config") or {"method": "deepseek_mtp"})
     graph = dict((data.get("additional_config") or {}).get("torchair_graph_config") or {})
@@ -61,6 +61,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, key) if getattr(args, key) is not None else data.get(key)
         if value is not None:
             kwargs[key] = value
+    if "max_num_seqs" not in kwargs and num_prompts:
+        # No more graph buckets than the batch can use: warm-up compiles each one.
+        kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
                         graph=TorchairGraphConfig.from_dict(graph), **kwargs)
 
@@ -77,10 +80,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import load_engine
     from .tokenizer import TextTokenizer
 
-    cfg = engine_config_from_args(args)
+    prompts = read_prompts(args)
+    cfg = engine_config_from_args(args, len(prompts))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     tok = TextTokenizer(args.model)
-    prompts = read_prompts(args)
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
     engine = load_engine(args.model, cfg, count_host_syncs=args.json)
     if engine.backend_name != "eager":
