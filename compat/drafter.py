@@ -79,6 +79,7 @@ class DrafterStats:
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
     host_buffer_reused: int = 0  # steps whose optimistic host buffer is the same storage as the step before
     host_buffer_mutated: int = 0  # times the host buffer changed across our drafting (must stay 0)
+    rows_sampled_outside: int = 0  # rows whose sample index lies before their span (discarded requests)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -257,6 +258,7 @@ def build_adapter_class(base: type) -> type:
             tis = (qsl[1:] - 1) if token_indices_to_sample is None else token_indices_to_sample[:b].long()
             if self.ascend_settings.collect_stats:
                 self._record_host_buffer(b, f)
+                self.ascend_stats.rows_sampled_outside += int((tis < qsl[:-1]).sum())
             if decode:
                 # Every request verifies 1 + K tokens: the flat batch is already [B, Q]; reshape, no host reads.
                 n = b * q

@@ -6,11 +6,12 @@
 engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
 
 ``name``; ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
-(``additional_config={"ascend_spec": {...}}``); ``k``; ``async``: true forces async scheduling on (see
+(``additional_config={"ascend_spec": {...}}``); ``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
 below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM`` kwargs, e.g.
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
-``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail).
+``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail);
+``async_exact_lengths``: ``all`` (default) | ``target`` (see below).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
@@ -18,11 +19,19 @@ cheap and lets the run read the drafter's own timers.
 Async scheduling on CPU: vLLM's ``CpuPlatform.check_and_update_config`` sets
 ``scheduler_config.async_scheduling = False`` unconditionally ("not required on CPU"). For ``async: true``
 runs this harness wraps that method (in this process only, test use only) to restore the value vLLM chose
-before it, which is True for MTP unless the user passed ``async_scheduling=False``.
+before it, which is True for MTP unless the user passed ``async_scheduling=False``. Async scheduling also
+needs one CPU-only correction to be right: CPU_MLA builds a verify query (1 + K tokens) as a prefill and
+takes its context length from ``seq_lens_cpu_upper_bound``, which async scheduling makes optimistic (it
+counts last step's drafts as accepted), so the target and vLLM's own drafter would attend past the real
+context (the outputs then differ from no speculation, with vLLM's drafter as with ours). On CPU the exact
+``seq_lens`` are host memory, so the harness gives the builder those. With ``async_exact_lengths: target``
+only the target's metadata is corrected and vLLM's drafter keeps the optimistic lengths (the seed bug's
+condition; our drafter never reads them).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -60,11 +69,11 @@ PROMPTS = [
     "try:\n    import json\nexcept ImportError:\n",
 ]
 
-_FORCE_ASYNC = {"on": False, "effective": None}
+_FORCE_ASYNC = {"on": False, "effective": None, "exact": "all", "drafting": False}
 
 
 def _install_force_async() -> None:
-    """Test-only: keep vLLM's async-scheduling choice through the CPU platform's config hook."""
+    """Test-only: async scheduling on CPU (keep vLLM's choice; exact context lengths for CPU_MLA prefills)."""
     from vllm.platforms.cpu import CpuPlatform
 
     orig = CpuPlatform.check_and_update_config.__func__
@@ -80,6 +89,33 @@ def _install_force_async() -> None:
 
     check_and_update_config._ascend_spec_force_async = True
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+    # CPU_MLA treats a verify query (1 + K tokens) as a prefill and takes its context length from
+    # seq_lens_cpu_upper_bound, which async scheduling makes optimistic (drafts assumed accepted): the target
+    # and vLLM's own drafter then attend past the real context. On CPU the exact seq_lens already live in
+    # host memory, so hand the builder those (what a device build gets from its decode path).
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+
+    build = MLACommonMetadataBuilder.build
+    build_for_drafting = MLACommonMetadataBuilder.build_for_drafting
+
+    def exact_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        st = _FORCE_ASYNC
+        if st["on"] and common_attn_metadata.seq_lens.device.type == "cpu" and (
+                st["exact"] == "all" or not st["drafting"]):
+            common_attn_metadata = dataclasses.replace(
+                common_attn_metadata, seq_lens_cpu_upper_bound=common_attn_metadata.seq_lens.clone())
+        return build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+
+    def drafting_build(self, *args, **kwargs):
+        _FORCE_ASYNC["drafting"] = True
+        try:
+            return build_for_drafting(self, *args, **kwargs)
+        finally:
+            _FORCE_ASYNC["drafting"] = False
+
+    MLACommonMetadataBuilder.build = exact_build
+    MLACommonMetadataBuilder.build_for_drafting = drafting_build
 
 
 def _break_api(spec: str):
@@ -116,7 +152,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
     kw: dict[str, Any] = {**ENGINE, **cfg.get("llm", {}), "model": checkpoint}
     if kind != "none":
         kw["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": int(cfg.get("k", 2)),
-                                    "attention_backend": ENGINE["attention_backend"]}
+                                    "attention_backend": ENGINE["attention_backend"], **cfg.get("spec", {})}
     if kind == "ours":
         kw["additional_config"] = {"ascend_spec": {"enabled": True, **cfg.get("ascend", {})},
                                    "torchair_graph_config": cfg.get("graph", {})}
@@ -124,6 +160,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
         kw.setdefault("async_scheduling", False)
     _FORCE_ASYNC["on"] = bool(cfg.get("async", False))
     _FORCE_ASYNC["effective"] = None
+    _FORCE_ASYNC["exact"] = cfg.get("async_exact_lengths", "all")
     max_tokens = cfg.get("max_tokens", 48)
     per_prompt = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=cfg.get("logprobs"))
@@ -137,11 +174,13 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
         llm = LLM(**kw)
         result["startup_seconds"] = time.perf_counter() - t0
         result["async_scheduling"] = _FORCE_ASYNC["effective"]
-        gen, outs = [], None
+        gen, outs, snapshots = [], None, []
         for _ in range(int(cfg.get("repeat", 1))):
             t1 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             gen.append(time.perf_counter() - t1)
+            live = (r() for r in drafter_mod.LIVE[n_live:])
+            snapshots.append([d.ascend_stats.as_dict() for d in live if d is not None])
         n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         result.update(
             tokens=[list(o.outputs[0].token_ids) for o in outs],
@@ -151,8 +190,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
         if cfg.get("logprobs"):
             result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
                                   for o in outs]
-        new = [r() for r in drafter_mod.LIVE[n_live:]]
-        result["drafter"] = [d.ascend_stats.as_dict() for d in new if d is not None]
+        result["drafter"] = snapshots[-1]
+        result["drafter_snapshots"] = snapshots  # cumulative stats after each generate call
     except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
         result["error"] = f"{type(e).__name__}: {e}"
         cause = e.__cause__ or e.__context__
@@ -169,7 +208,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
 
 def run_all(configs: list[dict[str, Any]], checkpoint: str = CHECKPOINT) -> list[dict[str, Any]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     _install_force_async()
     return [run_one(c, checkpoint) for c in configs]
 

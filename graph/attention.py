@@ -31,12 +31,14 @@ def write_latent_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: 
 
     Slot -1 writes nothing. To keep shapes static those rows are redirected to slot 0 (the reserved
     null block, never handed to a request) carrying slot 0's current value, so slot 0 is unchanged.
+    ``index_put_`` on the 3-D cache (not ``index_copy_`` on a flattened view, which inductor turns into a
+    copy of the whole cache per write) keeps the compiled write in place.
     """
-    flat = cache.view(-1, cache.shape[-1])
+    block = cache.shape[1]
     valid = (slot_mapping >= 0).unsqueeze(-1)
-    index = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
-    values = torch.where(valid, latent.to(cache.dtype), flat[0].expand_as(latent))
-    flat.index_copy_(0, index, values)
+    slot = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
+    values = torch.where(valid, latent.to(cache.dtype), cache[0, 0].expand_as(latent))
+    cache.index_put_((torch.div(slot, block, rounding_mode="floor"), slot % block), values)
 
 
 class MLAttention(nn.Module):

@@ -29,7 +29,9 @@ pytestmark = [
 REPO = Path(__file__).resolve().parent.parent
 # Requests finish at different steps and only 4 run at once, so later prompts are prefilled while others
 # decode: the drafter sees pure prefill, mixed (ragged) and pure decode batches.
-SHORT = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 64}}
+# Every run with drafts uses a 40-block KV cache (one cache shape: the draft graphs compile once per K).
+BLOCKS = 40
+SHORT = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": BLOCKS}}
 GRAPH = {"graph_batch_sizes": [2, 4]}
 STATS = {"collect_stats": True}
 LONG_PROMPTS = [
@@ -55,8 +57,8 @@ LONG_PROMPTS = [
     "    def __iter__(self):\n        return iter(self._data)\n\n    def __len__(self):\n        return len(self._data)\n\n"
     "    def get_int(self, key, default=0):\n",
 ]
-# 64 blocks of 16 tokens; four ~200-token prompts growing by 96 tokens need ~76: the scheduler preempts.
-LONG = {"prompts": LONG_PROMPTS, "max_tokens": 96, "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 64}}
+# 40 blocks of 16 tokens; four ~110-token prompts growing by 128 tokens need ~60: the scheduler preempts.
+LONG = {"prompts": LONG_PROMPTS, "max_tokens": 128, "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": BLOCKS}}
 
 CONFIGS = [
     {"name": "none", "drafter": "none", "logprobs": 2, **SHORT},
@@ -67,7 +69,13 @@ CONFIGS = [
     {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **SHORT},
     {"name": "ours_k2_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH, "ascend": STATS, **SHORT},
     {"name": "ours_k1_async", "drafter": "ours", "k": 1, "async": True, "graph": GRAPH, **SHORT},
-    {"name": "none_long", "drafter": "none", "logprobs": 2, "prompts": LONG_PROMPTS, "max_tokens": 96,
+    # vLLM's own drafter left with the optimistic host lengths under async (the target's are exact)
+    {"name": "vllm_k2_async_optimistic", "drafter": "vllm", "k": 2, "async": True,
+     "async_exact_lengths": "target", **SHORT},
+    # vLLM's unpadded drafter batch: rejected tokens compacted away (prepare_inputs), always ragged for us
+    {"name": "ours_k2_unpadded", "drafter": "ours", "k": 2, "graph": GRAPH,
+     "spec": {"disable_padded_drafter_batch": True}, **SHORT},
+    {"name": "none_long", "drafter": "none", "logprobs": 2, "prompts": LONG_PROMPTS, "max_tokens": 128,
      "llm": {"max_num_seqs": 4}},
     {"name": "vllm_k2_preempt", "drafter": "vllm", "k": 2, **LONG},
     {"name": "ours_k2_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **LONG},
@@ -151,6 +159,12 @@ def test_token_ids_identical_async(runs, name):
     assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
 
 
+def test_token_ids_identical_unpadded_drafter_batch(runs):
+    ref, r = ok(runs, "none"), ok(runs, "ours_k2_unpadded")
+    assert r["drafter"][0]["drafter"] == "ascend_spec" and r["drafter"][0]["fallback_calls"] == 0
+    assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
+
+
 def test_sync_runs_are_sync(runs):
     for name in ("vllm_k1", "ours_k1", "vllm_k2", "ours_k2"):
         assert ok(runs, name)["async_scheduling"] is False, name
@@ -165,25 +179,31 @@ def test_spec_decode_counters_equal(runs, ours, theirs):
 
 
 def test_seed_bug_conditions_under_async_keep_acceptance(runs):
-    """Both seed bugs' conditions occur inside vLLM's async scheduling, and acceptance equals sync.
+    """Both seed bugs' conditions occur inside vLLM's async scheduling, and our acceptance equals sync.
 
     Bug 1 read the backup token at the optimistic sequence length, which under async scheduling counts
-    drafts not yet verified and points at ``-1`` placeholders; bug 2 incremented host sequence lengths in
-    place on a buffer the runner reuses for the next step. The adapter reads the backup at
-    ``num_tokens_no_spec - 1`` and never writes vLLM's buffers.
+    last step's drafts as accepted and points at ``-1`` placeholders; bug 2 incremented host sequence
+    lengths in place on a buffer the runner reuses for the next step. The adapter reads the backup at
+    ``num_tokens_no_spec - 1``, takes lengths from the exact device ``seq_lens`` and positions, and never
+    writes vLLM's buffers.
     """
     sync, asyn = ok(runs, "ours_k2"), ok(runs, "ours_k2_async")
     s, a = sync["drafter"][0], asyn["drafter"][0]
-    # conditions: optimistic host lengths ahead of the exact ones, -1 at the optimistic index, buffer reused
-    assert a["steps_optimistic_ahead"] > 0, a
-    assert a["reqs_placeholder_at_optimistic"] > 0, a
-    assert a["host_buffer_reused"] > 0, a
-    assert s["steps_optimistic_ahead"] == 0, s  # sync: host lengths are exact
-    # the adapter left the reused host buffer untouched, and acceptance is the same as sync
+    # the conditions: host lengths ran ahead of the exact ones (sync: never), the optimistic index holds a
+    # -1 placeholder, and the host buffer is the same storage step after step
+    assert a["steps_optimistic_ahead"] > 0 and s["steps_optimistic_ahead"] == 0, (a, s)
+    assert a["reqs_placeholder_at_optimistic"] > 0 and a["host_buffer_reused"] > 0, a
+    # the adapter left the reused host buffer untouched ...
     assert a["host_buffer_mutated"] == 0 and s["host_buffer_mutated"] == 0
+    # ... and its acceptance is exactly the sync one, for K = 2 and K = 1
     assert {c: asyn["metrics"][c] for c in COUNTERS} == {c: sync["metrics"][c] for c in COUNTERS}
-    assert ok(runs, "ours_k1_async")["metrics"]["spec_decode_num_accepted_tokens"] == \
-        ok(runs, "ours_k1")["metrics"]["spec_decode_num_accepted_tokens"]
+    assert {c: ok(runs, "ours_k1_async")["metrics"][c] for c in COUNTERS} == \
+        {c: ok(runs, "ours_k1")["metrics"][c] for c in COUNTERS}
+    # The same conditions do reach a drafter that reads the optimistic lengths: vLLM's own, in this engine.
+    exposed = ok(runs, "vllm_k2_async_optimistic")
+    assert exposed["tokens"] == ok(runs, "none")["tokens"]  # the target's lengths are exact
+    assert {c: exposed["metrics"][c] for c in COUNTERS} != {c: ok(runs, "vllm_k2")["metrics"][c] for c in COUNTERS}, \
+        "vLLM's drafter no longer reads the optimistic lengths here: the condition does not reproduce"
 
 
 def test_preemption_keeps_token_ids(runs):

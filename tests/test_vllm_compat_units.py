@@ -1,0 +1,161 @@
+"""compat/ shims, settings and probes on stand-in objects: no vLLM engine, no vLLM import needed."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from ascend_spec.compat import shims
+from ascend_spec.compat.settings import PluginSettings
+from ascend_spec.config import ConfigError
+
+
+class Buffer:
+    """Shape of vLLM's CpuGpuBuffer (.cpu / .gpu / .np)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.cpu = t
+        self.gpu = t.clone()
+        self.np = t.numpy()
+
+
+class Request:
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def get_token_id(self, idx: int) -> int:  # vLLM's CachedRequestState.get_token_id
+        if idx < len(self.prompt):
+            return self.prompt[idx]
+        idx -= len(self.prompt)
+        return self.output[idx] if idx < len(self.output) else -1
+
+
+def async_runner() -> types.SimpleNamespace:
+    """Two requests mid-decode under async scheduling: last step's 2 drafts assumed accepted, -1 placeholders."""
+    requests = {"a": Request([5, 6, 7], [8, -1, -1]), "b": Request([9, 10], [11, 12, -1, -1])}
+    batch = types.SimpleNamespace(req_ids=["a", "b"], num_tokens_no_spec=np.array([4, 4], dtype=np.int32),
+                                  num_computed_tokens_cpu=np.array([4, 4], dtype=np.int32))
+    return types.SimpleNamespace(
+        requests=requests, input_batch=batch,
+        optimistic_seq_lens_cpu=torch.tensor([6, 6], dtype=torch.int32),  # counts the placeholders
+        seq_lens=torch.tensor([4, 4], dtype=torch.int32), discard_request_mask=Buffer(torch.zeros(2, dtype=torch.bool)))
+
+
+def test_backup_token_is_last_known_token_not_optimistic_placeholder():
+    r = async_runner()
+    backup = shims.backup_next_token_ids(r.requests, r.input_batch, 2)
+    assert backup.tolist() == [8, 12]  # num_tokens_no_spec - 1
+    # the optimistic length would have read the placeholders (the seed bug)
+    upper = shims.host_seq_lens_upper_bound(r, 2)
+    assert [r.requests[i].get_token_id(int(n) - 1) for i, n in zip("ab", upper)] == [-1, -1]
+
+
+def test_host_seq_lens_are_copied_never_aliased():
+    r = async_runner()
+    upper = shims.host_seq_lens_upper_bound(r, 2)
+    upper += 1
+    assert r.optimistic_seq_lens_cpu.tolist() == [6, 6]
+    del r.optimistic_seq_lens_cpu  # releases before optimistic_seq_lens_cpu: seq_lens's host side
+    assert shims.host_seq_lens_upper_bound(r, 2).tolist() == [4, 4]
+
+
+def test_cpu_gpu_buffer_or_plain_tensor():
+    t = torch.arange(4)
+    assert shims.device_tensor(t) is t and shims.host_tensor(t) is t
+    b = Buffer(torch.arange(4))
+    assert shims.device_tensor(b) is b.gpu and shims.host_tensor(b) is b.cpu
+
+
+def test_num_computed_tokens_fallback():
+    r = async_runner()
+    assert shims.num_computed_tokens(r, 2).tolist() == [4, 4]  # from input_batch.num_computed_tokens_cpu
+    r.num_computed_tokens = torch.tensor([7, 8, 0])
+    assert shims.num_computed_tokens(r, 2).tolist() == [7, 8]
+
+
+def test_discard_mask_from_mask_or_indices():
+    mask = torch.tensor([False, True, False, False])
+    assert shims.discard_mask(mask, 3).tolist() == [False, True, False]
+    assert shims.discard_mask(Buffer(mask), 3).tolist() == [False, True, False]
+    indices = torch.tensor([2, 0, 9], dtype=torch.int32)  # older vLLM: indices + count
+    assert shims.discard_mask(indices, 4, num_discarded=2).tolist() == [True, False, True, False]
+    assert shims.discard_mask(None, 2).tolist() == [False, False]
+
+
+def test_call_with_supported_drops_unknown_keywords():
+    def old_api(a, b=1):
+        return a + b
+
+    assert shims.call_with_supported(old_api, a=1, b=2, added_in_next_release=3) == 3
+
+    def new_api(a, **kwargs):
+        return sorted(kwargs)
+
+    assert shims.call_with_supported(new_api, a=1, x=2) == ["x"]
+
+
+def test_bind_runner_only_when_base_did_not():
+    p = types.SimpleNamespace()
+    shims.bind_runner(p, "runner")
+    assert p.runner == "runner"
+    shims.bind_runner(p, "other")
+    assert p.runner == "runner"
+
+
+def test_probe_runner_names_missing_api_and_points_at_upgrade_check():
+    r = async_runner()
+    assert shims.probe_runner(r) == []
+    del r.input_batch.num_tokens_no_spec
+    missing = shims.probe_runner(r)
+    assert [m.api for m in missing] == ["InputBatch.num_tokens_no_spec"]
+    with pytest.raises(shims.VllmApiMissing) as e:
+        shims.raise_if_missing(missing, "model runner state")
+    msg = str(e.value)
+    assert "InputBatch.num_tokens_no_spec" in msg and "tools/upgrade_check.py" in msg
+    assert "manifest item InputBatch.num_tokens_no_spec" in msg
+
+
+def test_probe_proposer_api_checks_parameters():
+    class Drafter:
+        def propose(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                    token_indices_to_sample, common_attn_metadata, sampling_metadata, **kw): ...
+
+        def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, mask): ...
+
+        def prepare_inputs_padded(self, common_attn_metadata, spec_decode_metadata): ...  # lost a parameter
+
+        def load_model(self, target_model): ...
+
+        def dummy_run(self, num_tokens): ...
+
+    missing = {m.api: m.problem for m in shims.probe_proposer_api(Drafter)}
+    assert set(missing) >= {"EagleProposer.prepare_inputs_padded", "EagleProposer.initialize_attn_backend"}
+    assert "valid_sampled_tokens_count" in missing["EagleProposer.prepare_inputs_padded"]
+    assert "EagleProposer.propose" not in missing
+
+
+def test_draft_kv_cache_layout_probe():
+    assert shims.probe_draft_kv_cache(torch.zeros(8, 16, 576), "l", 576, 16) == []
+    assert shims.probe_draft_kv_cache(torch.zeros(8, 1, 16, 576), "l", 576, 16) == []
+    assert shims.probe_draft_kv_cache(None, "l", 576, 16)[0].problem.startswith("no KV cache")
+    assert "layout" in shims.probe_draft_kv_cache(torch.zeros(8, 32, 576), "l", 576, 16)[0].problem
+    layer = types.SimpleNamespace(kv_cache=[torch.zeros(2, 16, 576)])  # older: one tensor per virtual engine
+    assert shims.bound_kv_cache(layer).shape == (2, 16, 576)
+    assert shims.bound_kv_cache(types.SimpleNamespace(kv_cache=torch.tensor([]))) is None
+
+
+def test_settings_from_additional_config():
+    assert not PluginSettings.from_additional_config(None).enabled
+    assert not PluginSettings.from_additional_config({"torchair_graph_config": {}}).enabled
+    s = PluginSettings.from_additional_config({"ascend_spec": {"enabled": True},
+                                               "torchair_graph_config": {"graph_batch_sizes": [4, 1, 2]}})
+    assert s.enabled and s.warmup and s.graph.backend == "auto" and s.batch_sizes(256) == [1, 2, 4]
+    assert PluginSettings.from_additional_config({"ascend_spec": {}}).batch_sizes(256) == [1, 2, 4, 8, 16]
+    assert PluginSettings.from_additional_config({"ascend_spec": {}}).batch_sizes(4) == [1, 2, 4]
+    assert not PluginSettings.from_additional_config({"ascend_spec": {"enabled": False}}).enabled
+    with pytest.raises(ConfigError, match="unknown key"):
+        PluginSettings.from_additional_config({"ascend_spec": {"enable": True}})
+    with pytest.raises(ConfigError, match="backend"):
+        PluginSettings.from_additional_config({"ascend_spec": {}, "torchair_graph_config": {"backend": "tvm"}})

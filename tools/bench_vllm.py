@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Our MTP drafter vs vLLM's own, side by side in vLLM's CPU engine: draft time per step and tokens/s.
+
+    python tools/bench_vllm.py                       # K=2, async scheduling on, 8 prompts x 128 tokens
+    python tools/bench_vllm.py --sync --k 1 --kv-blocks 256 --json out.json
+
+Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
+sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
+generates ``--repeat`` times; the first call is a warm-up and the figures come from the others. "Draft
+time per step" is the wall time of the drafter's ``propose`` on steps where every request verified
+``1 + K`` tokens (the steady state; prefill steps excluded), timed inside the engine by the adapter for
+both drafters. Runs are interleaved (vllm, ours, vllm, ours, ...) over ``--rounds`` engine pairs.
+Async scheduling on CPU is enabled the test-only way described in ``compat/harness.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+PROMPTS = [
+    "def read_config(path):\n    with open(path) as f:\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
+    "try:\n    import json\nexcept ImportError:\n",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description=__doc__)\n",
+    "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n",
+]
+
+
+def steady(result: dict) -> dict:
+    """Figures from the repeats after the first (stats are cumulative per generate call)."""
+    snaps = result["drafter_snapshots"]
+    first, last = snaps[0][0], snaps[-1][0]
+    calls = last["decode_calls"] - first["decode_calls"]
+    secs = last["decode_seconds"] - first["decode_seconds"]
+    gens = result["gen_seconds"][1:]
+    toks = result["generated_tokens"]
+    m = result["metrics"]
+    return {
+        "draft_ms_per_step": 1e3 * secs / max(calls, 1),
+        "steps": calls,
+        "tokens_per_s": statistics.median(toks / g for g in gens),
+        "acceptance": m["spec_decode_num_accepted_tokens"] / max(m["spec_decode_num_draft_tokens"], 1),
+        "mean_accepted_len": 1 + m["spec_decode_num_accepted_tokens"] / max(m["spec_decode_num_drafts"], 1),
+        "async": result["async_scheduling"],
+        "graph_calls": last["graph_calls"], "eager_calls": last["eager_calls"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--sync", action="store_true", help="async scheduling off (default: on)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3, help="generate calls per engine (the first is a warm-up)")
+    ap.add_argument("--rounds", type=int, default=1, help="engine pairs, interleaved")
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="num_gpu_blocks_override (default: what VLLM_CPU_KVCACHE_SPACE=1 gives)")
+    ap.add_argument("--graph-batch-sizes", default="", help="comma list (default: ascend_spec's buckets)")
+    ap.add_argument("--json", help="write raw results here")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from ascend_spec.compat.harness import ENGINE, run_all
+
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
+    llm = {"max_num_seqs": max(args.num_prompts, 1)}
+    if args.kv_blocks:
+        llm["num_gpu_blocks_override"] = args.kv_blocks
+    graph = {"graph_batch_sizes": [int(x) for x in args.graph_batch_sizes.split(",")]} \
+        if args.graph_batch_sizes else {}
+    common = {"k": args.k, "async": not args.sync, "prompts": prompts, "max_tokens": args.max_tokens,
+              "repeat": args.repeat, "llm": llm}
+    configs = []
+    for r in range(args.rounds):
+        configs.append({"name": f"vllm#{r}", "drafter": "vllm", **common})
+        configs.append({"name": f"ours#{r}", "drafter": "ours", "graph": graph, **common})
+    results = run_all(configs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results))
+    for r in results:
+        if "error" in r:
+            print(f"{r['name']}: {r['error']}", file=sys.stderr)
+            return 1
+    rows = {name: [steady(r) for r in results if r["name"].startswith(name)] for name in ("vllm", "ours")}
+    agg = {name: {k: statistics.median(x[k] for x in v) for k in ("draft_ms_per_step", "tokens_per_s",
+                                                                    "acceptance", "mean_accepted_len")}
+           for name, v in rows.items()}
+    same_tokens = all(results[i]["tokens"] == results[i + 1]["tokens"] for i in range(0, len(results), 2))
+    print(f"\nvLLM CPU engine, {ENGINE['dtype']}, K={args.k}, async scheduling {'off' if args.sync else 'on'}, "
+          f"{len(prompts)} prompts x {args.max_tokens} tokens, kv blocks {args.kv_blocks or 'default'}, "
+          f"{args.rounds} round(s), {args.repeat - 1} measured generate call(s) per engine")
+    print(f"{'drafter':8s} {'draft ms/step':>14s} {'tokens/s':>9s} {'acceptance':>10s} {'mean acc len':>12s}")
+    for name, a in agg.items():
+        print(f"{name:8s} {a['draft_ms_per_step']:14.2f} {a['tokens_per_s']:9.1f} {a['acceptance']:10.3f} "
+              f"{a['mean_accepted_len']:12.2f}")
+    print(f"ratio vLLM/ours draft time per step: {agg['vllm']['draft_ms_per_step'] / agg['ours']['draft_ms_per_step']:.2f}x; "
+          f"tokens/s ours/vLLM: {agg['ours']['tokens_per_s'] / agg['vllm']['tokens_per_s']:.2f}x; "
+          f"token ids identical: {same_tokens}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
