@@ -21,13 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-PROMPTS = [
-    "def read_config(path):\n    with open(path) as f:\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "for i in range(10):\n    if i % 2 == 0:\n",
-    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
-    "try:\n    import json\nexcept ImportError:\n",
+from ascend_spec.compat.harness import PROMPTS as HARNESS_PROMPTS  # pure Python: no vLLM import here
+
+PROMPTS = HARNESS_PROMPTS + [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description=__doc__)\n",
     "class Node:\n    def __init__(self, value, children=None):\n        self.value = value\n",
 ]
