@@ -12,6 +12,7 @@ import torch
 
 from . import spec_decode
 from .config import SpeculativeConfig
+from .graph.attention import num_blocks_for
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_draft_step
 
@@ -67,14 +68,17 @@ class MtpProposer:
 
     def dummy_run(self, num_reqs: int) -> None:
         """Run one inert draft (every row padded) for ``num_reqs`` requests, e.g. to warm up."""
+        self._run_draft(*self._inert_batch(num_reqs))
+
+    def _inert_batch(self, num_reqs: int) -> list[torch.Tensor]:
+        """Draft-step inputs in the verify layout (Q = 1 + K) whose rows are all padding: slot -1, seq_len 0."""
         q = 1 + self.num_speculative_tokens
         dev = self.draft_cache.device
-        d = self.model.cfg.hidden_size
-        m = (self.max_model_len + 15) // 16
-        zeros = torch.zeros(num_reqs, q, dtype=torch.long, device=dev)
-        self._run_draft(zeros, zeros, torch.zeros(num_reqs, q, d, device=dev), torch.zeros(num_reqs, dtype=torch.long,
-                        device=dev), torch.full_like(zeros, -1), torch.zeros(num_reqs, m, dtype=torch.long, device=dev),
-                        torch.zeros(num_reqs, dtype=torch.long, device=dev))
+        ids = torch.zeros(num_reqs, q, dtype=torch.long, device=dev)
+        per_req = torch.zeros(num_reqs, dtype=torch.long, device=dev)
+        hidden = torch.zeros(num_reqs, q, self.model.cfg.hidden_size, dtype=self.draft_cache.dtype, device=dev)
+        table = torch.zeros(num_reqs, num_blocks_for(self.max_model_len), dtype=torch.long, device=dev)
+        return [ids, ids, hidden, per_req, torch.full_like(ids, -1), table, per_req]
 
     # -- padded bookkeeping (vLLM's names; no host syncs) ---------------------------------------
     def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, discard_request_mask: torch.Tensor,

@@ -35,14 +35,7 @@ class MtpTorchairProposer(MtpProposer):
 
     def warmup(self, progress: bool = True) -> dict[int, float]:
         """Compile every bucket (verify layout, Q = 1 + K), largest first."""
-        q = 1 + self.num_speculative_tokens
-        b = self.graph.max_size
-        dev = self.draft_cache.device
-        z = torch.zeros(b, q, dtype=torch.long, device=dev)
-        zb = torch.zeros(b, dtype=torch.long, device=dev)
-        example = [z, z, torch.zeros(b, q, self.model.cfg.hidden_size, device=dev,
-                                     dtype=self.draft_cache.dtype), zb, torch.full_like(z, -1),
-                   torch.zeros(b, (self.max_model_len + 15) // 16, dtype=torch.long, device=dev), zb]
+        example = self._inert_batch(self.graph.max_size)
         with torch.no_grad():
             return self.graph.warmup(example, (self.draft_cache,), progress=progress)
 
