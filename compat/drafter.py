@@ -134,10 +134,7 @@ def build_adapter_class(base: type) -> type:
             if model.cfg.num_nextn_predict_layers != 1:
                 raise CompatError(f"ascend_spec drafter supports checkpoints with one MTP layer; {model_dir} has "
                                   f"{model.cfg.num_nextn_predict_layers}")
-            # vLLM drafts with the target's embedding and lm_head whatever the MTP layer holds: do the same.
-            mtp = model.mtp_layer(0)
-            mtp.embed_tokens.weight = model.model.embed_tokens.weight
-            mtp.shared_head.head.weight = model.lm_head.weight
+            # Like vLLM, the MTP layer drafts with the target's embedding and lm_head (graph/model.py).
             self._ascend_model = model
 
         def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:

@@ -1,9 +1,13 @@
-"""Small building blocks: RMSNorm, DeepSeek rotary embedding, gated MLP."""
+"""Small building blocks: RMSNorm, DeepSeek rotary embedding (plain or YaRN), gated MLP."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .config import ModelConfig, YarnScaling
 
 
 class RMSNorm(nn.Module):
@@ -27,13 +31,22 @@ class RotaryEmbedding(nn.Module):
     dot products; vLLM keeps the interleaved layout, and so does the cached ``k_pe`` here.
     """
 
-    def __init__(self, dim: int, max_positions: int, theta: float) -> None:
+    def __init__(self, dim: int, max_positions: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        inv_freq = 1.0 / pos_freqs
+        scale = 1.0
+        if scaling is not None:
+            inv_freq = yarn_inv_freq(pos_freqs, dim, theta, scaling)
+            scale = scaling.cos_sin_scale
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [P, dim/2]
-        self.register_buffer("cos_cached", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cached", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cached", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin_cached", freqs.sin() * scale, persistent=False)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+        return cls(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [..., heads, dim]; positions: x.shape[:-2] (int). Returns a new tensor."""
@@ -44,6 +57,23 @@ class RotaryEmbedding(nn.Module):
         x2 = xf[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return out.to(x.dtype)
+
+
+def yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
+    """YaRN (vLLM's ``DeepseekScalingRotaryEmbedding``): blend interpolated (÷ factor) and original frequencies
+    with a linear ramp between the dims that rotate ``beta_fast`` and ``beta_slow`` times over the original
+    context; high-frequency dims keep extrapolating, low-frequency dims are interpolated."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return 1.0 / (s.factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
 
 
 class MLP(nn.Module):

@@ -1,7 +1,10 @@
-"""DeepSeek-V3 (dense-MLP variant) target model and its MTP layer, with HF parameter names.
+"""DeepSeek-V3 target model and its MTP layer(s), with HF parameter names.
 
-``state_dict()`` keys are exactly DeepSeek-V3's HF names, the MTP layer sitting at index
-``num_hidden_layers``. Two call paths share one set of weights:
+``state_dict()`` keys are DeepSeek-V3's HF names, the MTP layer sitting at index ``num_hidden_layers``, with two
+departures that the loader (:mod:`.weights`) maps: routed experts are stacked (``mlp.experts.w13_weight``,
+``w2_weight``: vLLM FusedMoE's layout), and the MTP layer holds no ``embed_tokens`` / ``shared_head.head`` of
+its own: it shares the target's embedding and lm_head, as vLLM does (the checkpoint's copies are identical).
+Two call paths share one set of weights:
 - ``*_paged``: fixed-shape ``[B, Q]`` batches over a paged latent cache (prefill, decode, verify, draft);
 - ``*_dense``: full causal sequences without a cache (training, reference).
 """
@@ -13,15 +16,17 @@ from torch import nn
 from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, RotaryEmbedding
+from .moe import MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (MoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_moe_layer(index)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn.forward_paged(self.input_layernorm(x), inp, cache)
@@ -33,53 +38,50 @@ class DecoderLayer(nn.Module):
 
 
 class SharedHead(nn.Module):
+    """``shared_head.norm``; the projection is the target's lm_head (``shared_head.head`` is not held)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
 
 
 class MTPLayer(DecoderLayer):
     """DeepSeek-V3 multi-token prediction module: predicts token t+2 from h_t and token t+1.
 
-    ``eh_proj([enorm(embed(next_token)); hnorm(hidden)])`` → decoder layer → (``shared_head``) logits.
+    ``eh_proj([enorm(embed(next_token)); hnorm(hidden)])`` → decoder layer → ``lm_head(shared_head.norm(·))``.
     The returned hidden state is pre-``shared_head.norm`` and feeds the next chained step, as in vLLM.
     """
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
-        super().__init__(cfg, rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int) -> None:
+        super().__init__(cfg, rope, index)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
-    def fuse_inputs(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        emb = self.embed_tokens(next_token_ids)
+    def fuse_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # vLLM zeroes the token embedding at position 0; match it so drafts agree token for token.
         emb = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(emb), emb)
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
 
-    def forward_paged_mtp(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs,
+    def forward_paged_mtp(self, emb: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs,
                           cache: torch.Tensor) -> torch.Tensor:
-        return self.forward_paged(self.fuse_inputs(next_token_ids, hidden, inp.positions), inp, cache)
+        return self.forward_paged(self.fuse_inputs(emb, hidden, inp.positions), inp, cache)
 
-    def forward_dense_mtp(self, next_token_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        b, s = next_token_ids.shape
+    def forward_dense_mtp(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        b, s = emb.shape[:2]
         positions = torch.arange(s, device=hidden.device).expand(b, s)
-        return self.forward_dense(self.fuse_inputs(next_token_ids, hidden, positions))
+        return self.forward_dense(self.fuse_inputs(emb, hidden, positions))
 
 
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        rope = RotaryEmbedding.from_config(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers: list[nn.Module] = [DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers)]
-        layers += [MTPLayer(cfg, rope) for _ in range(cfg.num_nextn_predict_layers)]
+        n = cfg.num_hidden_layers
+        layers: list[nn.Module] = [DecoderLayer(cfg, rope, i) for i in range(n)]
+        layers += [MTPLayer(cfg, rope, n + i) for i in range(cfg.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -120,7 +122,11 @@ class DeepseekV3ForCausalLM(nn.Module):
     # -- MTP ------------------------------------------------------------------------------------
     def mtp_paged(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: torch.Tensor,
                   step: int = 0) -> torch.Tensor:
-        return self.mtp_layer(step).forward_paged_mtp(next_token_ids, hidden, inp, cache)
+        emb = self.model.embed_tokens(next_token_ids)
+        return self.mtp_layer(step).forward_paged_mtp(emb, hidden, inp, cache)
+
+    def mtp_dense(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.mtp_layer(step).forward_dense_mtp(self.model.embed_tokens(next_token_ids), hidden)
 
     def mtp_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
-        return self.mtp_layer(step).shared_head(hidden).float()
+        return self.logits(self.mtp_layer(step).shared_head.norm(hidden))

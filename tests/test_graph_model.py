@@ -27,13 +27,6 @@ def test_non_deepseek_config_is_rejected():
         ModelConfig.from_hf_dict(hf)
 
 
-def test_moe_layers_are_rejected():
-    hf = TINY.to_hf_dict()
-    hf["first_k_dense_replace"] = 1
-    with pytest.raises(ConfigError, match="first_k_dense_replace"):
-        ModelConfig.from_hf_dict(hf)
-
-
 def test_roundtrip_load(tiny_ckpt):
     model = load_model(tiny_ckpt)
     ref = random_model()
@@ -83,7 +76,7 @@ def test_first_draft_matches_dense_mtp():
     bt, pos, slots = _layout(n, [1, 2])
     with torch.no_grad():
         dense_h = model.target_dense(ids)
-        mtp_logits = model.mtp_logits(model.mtp_layer().forward_dense_mtp(ids[:, 1:], dense_h[:, :-1]))
+        mtp_logits = model.mtp_logits(model.mtp_dense(ids[:, 1:], dense_h[:, :-1]))
         caches = tuple(torch.zeros(4, 16, 576) for _ in range(2))
         hidden, _ = make_target_step(model)(ids[:, :n], pos, slots, bt, torch.tensor([n]), caches)
         draft_in = torch.cat([ids[:, 1:n], ids[:, n:n + 1]], 1)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from ascend_spec.config import GRAPH_MODES
+from ascend_spec.graph import moe_npu
 from ascend_spec.graph.backends import BackendUnavailable
 from ascend_spec.graph.backends.torchair import (
     _MODE_ALIASES,
@@ -181,3 +182,256 @@ def test_backend_unavailable_without_torch_npu():
         TorchairBackend(TorchairOptions())
     msg = str(exc_info.value)
     assert "torch_npu" in msg and "CANN" in msg and "inductor" in msg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# graph/moe_npu.py: the torch_npu MoE ops it calls, against the wheel's own op schemas.
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Where torch_npu 2.14.0 declares its ops: the op-plugin codegen list. Each entry's ``func`` is the schema string
+#: registered with the dispatcher as ``torch.ops.npu.<name>`` (``_op_plugin_docs.py`` has the same prototypes,
+#: but as prose for humans).
+NPU_OP_DECLARATIONS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+#: Where ``torch_npu.<op>`` gets bound: ``torch_npu.<op> = torch.ops.npu.<op>`` lines, or the ``exposed`` list.
+NPU_OP_BINDINGS = ("torch_npu/utils/custom_ops.py", "torch_npu/utils/exposed_api.py")
+GE_CONVERTERS = TORCHAIR_PREFIX + "_ge_concrete_graph/ge_converter/"
+
+
+@pytest.fixture(scope="module")
+def npu_wheel_ops() -> types.SimpleNamespace:
+    """Default-overload schemas of every declared op, the torch_npu binding sources, the torchair GE converters."""
+    import yaml
+
+    with zipfile.ZipFile(_download_wheel()) as zf:
+        decl = yaml.safe_load(zf.read(NPU_OP_DECLARATIONS))
+        bindings = "\n".join(zf.read(n).decode() for n in NPU_OP_BINDINGS)
+        converters = "\n".join(zf.read(n).decode() for n in zf.namelist()
+                               if n.startswith(GE_CONVERTERS) and n.endswith(".py"))
+    schemas = {}
+    for section in decl.values():
+        for entry in section if isinstance(section, list) else ():
+            if isinstance(entry, dict) and "func" in entry:
+                name, _, overload = entry["func"].split("(", 1)[0].partition(".")
+                if not overload:  # a Tensor group_list (npu_grouped_matmul) resolves to the default overload
+                    schemas[name] = entry["func"]
+    return types.SimpleNamespace(schemas=schemas, bindings=bindings, converters=converters)
+
+
+def _call_errors(schema_str: str, call) -> list[str]:
+    """What is wrong with calling ``schema_str`` as ``call`` (an ``NpuCall``) describes; empty when it is fine."""
+    import torch
+
+    args = torch._C.parse_schema(schema_str).arguments  # the dispatcher's own parser
+    by_name = {a.name: a for a in args}
+    errors = []
+    for i, name in enumerate(call.positional):
+        if i >= len(args) or args[i].kwarg_only or args[i].name != name:
+            errors.append(f"positional #{i} is not {name!r}")
+    for name in call.keyword:
+        if name not in by_name:
+            errors.append(f"no argument {name!r}")
+        elif name in call.positional:
+            errors.append(f"{name!r} passed twice")
+    passed = set(call.positional) | set(call.keyword)
+    errors += [f"required {a.name!r} not passed" for a in args if not a.has_default_value() and a.name not in passed]
+    return errors
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("op", list(moe_npu.NPU_MOE_CALLS))
+def test_npu_moe_calls_match_wheel_schemas(npu_wheel_ops, op):
+    assert op in npu_wheel_ops.schemas, f"{op} not declared in {NPU_OP_DECLARATIONS}"
+    assert _call_errors(npu_wheel_ops.schemas[op], moe_npu.NPU_MOE_CALLS[op]) == [], npu_wheel_ops.schemas[op]
+    assert (f"torch_npu.{op} = torch.ops.npu.{op}\n" in npu_wheel_ops.bindings
+            or f"'{op}'" in npu_wheel_ops.bindings), f"torch_npu does not expose {op}"
+    assert f"register_fx_node_ge_converter(torch.ops.npu.{op}.default)" in npu_wheel_ops.converters, \
+        f"torchair has no GE converter for {op}: it could not be captured in a torchair graph"
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("op, call", [
+    ("npu_swiglu", moe_npu.NpuCall(("x",), ())),  # wrong positional name (it is "self")
+    ("npu_moe_init_routing", moe_npu.NpuCall(("x",), ("row_idx", "expert_idx"))),  # active_num is required
+    ("npu_moe_gating_top_k", moe_npu.NpuCall(("x", "bias"), ("k",))),  # bias is keyword-only
+    ("npu_grouped_matmul", moe_npu.NpuCall((), ("x", "weight", "group_size"))),  # no such argument
+])
+def test_npu_call_check_can_fail(npu_wheel_ops, op, call):
+    assert _call_errors(npu_wheel_ops.schemas[op], call)
+
+
+# A fake torch_npu whose ops implement the formulas of the wheel's docs (``_op_plugin_docs.py``) in plain torch.
+# It checks our composition of the ops and records the calls; it says nothing about the real kernels.
+
+def _ref_gating(logits, bias, top_k: int, n_group: int, topk_group: int):
+    """noaux_tc selection on fp32 logits [T, E] → (ids [T, k] int64, unbiased sigmoid scores [T, k])."""
+    import torch
+
+    scores = logits.float().sigmoid()
+    biased = scores + bias.float()
+    t, e = scores.shape
+    group_scores = biased.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group_scores).scatter(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+    biased = biased.masked_fill(keep.repeat_interleave(e // n_group, dim=1) == 0, float("-inf"))
+    ids = biased.topk(top_k, dim=-1).indices
+    return ids, scores.gather(1, ids)
+
+
+def _ref_routed(x, gate_weight, bias, w13, w2, *, top_k, n_group, topk_group, routed_scaling_factor,
+                norm_topk_prob):
+    """Per (token, expert) loop in fp32: Σ_k w_k · (silu(x W_gate^T) · x W_up^T) W_down^T."""
+    import torch
+    import torch.nn.functional as F
+
+    ids, w = _ref_gating(x.float() @ gate_weight.float().T, bias, top_k, n_group, topk_group)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * routed_scaling_factor
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gate, up = w13[e, :inter].float(), w13[e, inter:].float()
+            h = F.silu(x[t].float() @ gate.T) * (x[t].float() @ up.T)
+            out[t] += w[t, j] * (h @ w2[e].float().T)
+    return out
+
+
+def _fake_torch_npu(calls: list):
+    import torch
+    import torch.nn.functional as F
+
+    def gating(x, k, *, bias, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
+               routed_scaling_factor, eps):
+        assert (group_select_mode, renorm, norm_type) == (1, 0, 1) and bias.dtype == x.dtype
+        ids, y = _ref_gating(x, bias, k, group_count, k_group)
+        y = y / (y.sum(-1, keepdim=True) + eps) * routed_scaling_factor  # sigmoid mode always renormalises
+        return y.to(x.dtype), ids.to(torch.int32), x.float().sigmoid()
+
+    def init_routing(x, *, row_idx, expert_idx, active_num):
+        # expanded_expert_idx, sorted_row_idx = keyValueSort(expert_idx, row_idx)
+        expanded_expert_idx, order = expert_idx.reshape(-1).sort(stable=True)
+        sorted_row_idx = row_idx.reshape(-1)[order]
+        expanded_row_idx = torch.empty_like(sorted_row_idx)  # expanded_row_idx[sorted_row_idx[i]] = i
+        expanded_row_idx[sorted_row_idx.long()] = torch.arange(len(order), dtype=torch.int32)
+        expanded_x = x[sorted_row_idx.long() % x.shape[0]]  # expanded_x[i] = x[sorted_row_idx[i] % num_rows]
+        return expanded_x[:min(x.shape[0], active_num) * row_idx.shape[1]], expanded_row_idx, expanded_expert_idx
+
+    def compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+        # expertTokens_i = BinarySearch(sorted, i): the end of expert i's rows
+        return torch.searchsorted(sorted_expert_for_source_row, torch.arange(num_expert, dtype=torch.int32),
+                                  right=True).to(torch.int32)
+
+    def grouped_matmul(*, x, weight, split_item, group_list_type, group_type, group_list):
+        assert (len(x), len(weight), split_item, group_list_type, group_type) == (1, 1, 2, 0, 0)
+        (a,), (w,) = x, weight
+        assert w.shape[1] == a.shape[1], "weight must be [E, K, N]"
+        out, start = a.new_zeros(a.shape[0], w.shape[2]), 0
+        for g, end in enumerate(group_list.tolist()):  # y_i = x_i × weight_i over each row group
+            out[start:end] = a[start:end] @ w[g]
+            start = end
+        return [out]
+
+    def swiglu(x, *, dim=-1):
+        a, b = x.chunk(2, dim=dim)  # swish(A) * B
+        return F.silu(a) * b
+
+    def finalize_routing(expanded_permuted_rows, *, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                         export_for_source_row):
+        # out(i, j) = Σ_k scales[i, k] · expandPermutedRows[expandedSrcToDstRow[i + k·num_rows], j]
+        assert skip1 is None and skip2 is None and bias is None and scales.dtype == expanded_permuted_rows.dtype
+        n, k = scales.shape
+        idx = expanded_src_to_dst_row.view(k, n).t().long()
+        return (expanded_permuted_rows[idx] * scales.unsqueeze(-1)).sum(1)
+
+    impls = {"npu_moe_gating_top_k": gating, "npu_moe_init_routing": init_routing,
+             "npu_moe_compute_expert_tokens": compute_expert_tokens, "npu_grouped_matmul": grouped_matmul,
+             "npu_swiglu": swiglu, "npu_moe_finalize_routing": finalize_routing}
+    fake = types.ModuleType("torch_npu")
+    for name, impl in impls.items():
+        def recorder(*args, _name=name, _impl=impl, **kwargs):
+            calls.append((_name, len(args), tuple(kwargs)))
+            # Bind the positional arguments by their schema names, as the dispatcher would.
+            named = dict(zip(moe_npu.NPU_MOE_CALLS[_name].positional[1:], args[1:]))
+            return _impl(*args[:1], **named, **kwargs)
+        setattr(fake, name, recorder)
+    return fake
+
+
+MOE_CFG = dict(top_k=4, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def _moe_inputs(num_tokens: int, dtype, device="cpu", d: int = 32, inter: int = 16, experts: int = 16):
+    import torch
+
+    g = torch.Generator().manual_seed(num_tokens)
+    mk = lambda *s, scale=0.2: (torch.randn(*s, generator=g) * scale).to(device)  # noqa: E731
+    return (mk(num_tokens, d, scale=1.0).to(dtype), mk(experts, d), mk(experts, scale=0.1),
+            mk(experts, 2 * inter, d).to(dtype), mk(experts, d, inter).to(dtype))
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 5, 32])
+def test_routed_experts_npu_with_fake_torch_npu(monkeypatch, num_tokens, norm_topk_prob):
+    """The calls match ``NPU_MOE_CALLS`` exactly, in order, and the composition reproduces the reference."""
+    import torch
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    x, gate, bias, w13, w2 = _moe_inputs(num_tokens, torch.float32)
+    got = moe_npu.routed_experts_npu(x, gate, bias, w13, w2, norm_topk_prob=norm_topk_prob, **MOE_CFG)
+
+    order = ["npu_moe_gating_top_k", "npu_moe_init_routing", "npu_moe_compute_expert_tokens", "npu_grouped_matmul",
+             "npu_swiglu", "npu_grouped_matmul", "npu_moe_finalize_routing"]
+    table = moe_npu.NPU_MOE_CALLS
+    assert calls == [(op, len(table[op].positional), table[op].keyword) for op in order] and set(order) == set(table)
+    ref = _ref_routed(x, gate, bias, w13, w2, norm_topk_prob=norm_topk_prob, **MOE_CFG)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_routed_experts_npu_does_not_import_torch_npu_at_module_import():
+    assert "torch_npu" not in vars(moe_npu)
+
+
+@pytest.mark.parametrize("bad", [dict(n_group=3), dict(topk_group=5), dict(top_k=9)])
+def test_routed_experts_npu_rejects_unsupported_gating(monkeypatch, bad):
+    """Shapes outside npu_moe_gating_top_k's documented limits fail before any op runs."""
+    import torch
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
+    with pytest.raises(ValueError, match="npu_moe_gating_top_k"):
+        moe_npu.routed_experts_npu(*_moe_inputs(2, torch.float32), norm_topk_prob=True, **{**MOE_CFG, **bad})
+    assert calls == []
+
+
+def _npu_available() -> bool:
+    try:
+        import torch
+        import torch_npu  # noqa: F401
+
+        return torch.npu.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not _npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
+@pytest.mark.parametrize("backend", ["eager", "torchair"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_routed_experts_npu_parity_on_npu(backend, num_tokens):
+    """DeepSeek-V3 routing shape (E=256, 8 groups, keep 4, top-8), bf16 experts, against the fp32 reference."""
+    import torch
+
+    cfg = dict(top_k=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True)
+    x, gate, bias, w13, w2 = _moe_inputs(num_tokens, torch.bfloat16, "npu", d=256, inter=128, experts=256)
+
+    def fn(x, gate, bias, w13, w2):
+        return moe_npu.routed_experts_npu(x, gate, bias, w13, w2, **cfg)
+
+    if backend == "torchair":
+        fn = TorchairBackend(TorchairOptions()).compile(fn, f"moe_npu_bs{num_tokens}")
+    got = fn(x, gate, bias, w13, w2)
+    ref = _ref_routed(x, gate, bias, w13, w2, **cfg)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)

@@ -98,7 +98,7 @@ def losses(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor,
         hidden = model.target_dense(x[:, :-1])
         logits = model.logits(hidden)
         # MTP at position t: hidden h_t and embedding of token t+1 → token t+2.
-        mtp_hidden = model.mtp_layer().forward_dense_mtp(x[:, 1:-1], hidden[:, :-1])
+        mtp_hidden = model.mtp_dense(x[:, 1:-1], hidden[:, :-1])
         mtp_logits = model.mtp_logits(mtp_hidden)
     main = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
     mtp = F.cross_entropy(mtp_logits.float().flatten(0, 1), x[:, 2:].flatten())
@@ -150,9 +150,6 @@ def main() -> None:
     for name, p in model.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
-    mtp = model.mtp_layer()
-    mtp.embed_tokens.weight = model.model.embed_tokens.weight  # shared, as in DeepSeek-V3
-    mtp.shared_head.head.weight = model.lm_head.weight
     params = list({id(p): p for p in model.parameters()}.values())
     decay = [p for p in params if p.dim() == 2]
     no_decay = [p for p in params if p.dim() < 2]

@@ -1,0 +1,87 @@
+"""Deterministic random DeepSeek-V3 checkpoints (MoE, YaRN, q_lora, fp8, shards) for tests, parity and benchmarks.
+
+Each preset is a miniature of one real-model feature mix; ``tools/make_tiny_moe.py`` writes them from the
+command line. Weights come from a seeded generator, so a preset and a seed always give the same bytes. The
+bundled checkpoint's tokenizer is copied alongside, so vLLM and ``ascend-spec generate`` can run them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from .graph.config import ModelConfig, MoEConfig, YarnScaling
+from .graph.model import DeepseekV3ForCausalLM
+from .graph.weights import fp8_quantization_config, save_model
+from .models import BUNDLED_MODEL_DIR
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+_BASE = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, q_lora_rank=96,
+             eos_token_id=0, bos_token_id=0)
+
+#: name → config. Varies E, top-k, n_group/topk_group, first_k_dense_replace, the YaRN factor and q_lora_rank.
+PRESETS: dict[str, ModelConfig] = {
+    # DeepSeek-V3's shape in miniature: dense layer 0, MoE layer 1 and MoE MTP layer, 4 groups keep 2, YaRN ×4.
+    "moe-e16-k4": ModelConfig(**_BASE, max_position_embeddings=512,
+                              moe=MoEConfig(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                                            n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                            first_k_dense_replace=1),
+                              rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=128,
+                                                       mscale=1.0, mscale_all_dim=1.0)),
+    # Every layer MoE, 8 groups keep 3, top-8 of 64, two shared experts, YaRN ×40 with mscale ≠ mscale_all_dim.
+    "moe-e64-k8": ModelConfig(**_BASE, max_position_embeddings=1280,
+                              moe=MoEConfig(n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=32,
+                                            n_shared_experts=2, n_group=8, topk_group=3, routed_scaling_factor=1.5,
+                                            first_k_dense_replace=0),
+                              rope_scaling=YarnScaling(factor=40.0, original_max_position_embeddings=32,
+                                                       beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=1.0)),
+    # Dense target, only the MTP layer MoE (first_k_dense_replace = num_hidden_layers), no q_lora, no groups.
+    "moe-mtp-only-e8-k2": ModelConfig(**{**_BASE, "q_lora_rank": None}, max_position_embeddings=512,
+                                      moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2,
+                                                    moe_intermediate_size=64, n_shared_experts=1,
+                                                    routed_scaling_factor=1.0, norm_topk_prob=False,
+                                                    first_k_dense_replace=2),
+                                      rope_scaling=YarnScaling(factor=2.0, original_max_position_embeddings=256,
+                                                               mscale=1.0, mscale_all_dim=1.0)),
+}
+
+
+def random_weights(model: DeepseekV3ForCausalLM, seed: int = 0, std: float = 0.08) -> DeepseekV3ForCausalLM:
+    """Fill every parameter from a seeded generator: matrices N(0, std), norms U(0.8, 1.2), gate bias U(0, 0.05)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 0.05)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.copy_(torch.rand(p.shape, generator=gen) * 0.4 + 0.8)
+    return model.eval()
+
+
+def write_checkpoint(out_dir: str | Path, cfg: ModelConfig | str, seed: int = 0, dtype: str = "float32",
+                     max_shard_bytes: int | None = None, fp8: bool = False) -> Path:
+    """Write ``config.json`` + safetensors (+ the bundled tokenizer) for ``cfg`` (a preset name or a config)."""
+    if isinstance(cfg, str):
+        if cfg not in PRESETS:
+            raise ValueError(f"unknown preset {cfg!r}; allowed: {sorted(PRESETS)}")
+        cfg = PRESETS[cfg]
+    cfg = dataclasses.replace(cfg, torch_dtype=dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = random_weights(DeepseekV3ForCausalLM(cfg), seed)
+    save_model(model, out, dtype=cfg.dtype, max_shard_bytes=max_shard_bytes, fp8_block=(128, 128) if fp8 else None)
+    hf = cfg.to_hf_dict()
+    if fp8:
+        hf["quantization_config"] = fp8_quantization_config()
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (BUNDLED_MODEL_DIR / name).is_file():
+            shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
+    return out

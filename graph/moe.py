@@ -1,0 +1,126 @@
+"""DeepSeekMoE with noaux_tc routing, over vLLM FusedMoE's stacked expert layout.
+
+Routing is HF ``DeepseekV3TopkRouter`` / vLLM ``grouped_topk``: fp32 sigmoid scores; ``e_score_correction_bias``
+is added for *choosing* only; a group's score is the sum of its top-2 biased scores; the best ``topk_group``
+groups stay; top-``num_experts_per_tok`` experts on the biased scores; their weights are the *unbiased*
+scores, renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``. Shared experts are a plain
+gated MLP added to the routed sum.
+
+Experts are stored stacked, ``w13 [E, 2I, D]`` (gate rows, then up rows) and ``w2 [E, D, I]``, as vLLM's
+FusedMoE holds them, so the same code can run on vLLM's tensors in place. The routed computation has two
+fixed-shape formulations, picked statically from the shapes (never from the data), so a compiled graph has no
+host sync and no data-dependent shape:
+
+- ``gather``: each of the ``T·k`` (token, expert) pairs gathers its expert's weights and runs a batched GEMV.
+  Reads only the chosen experts: the decode regime, where ``T·k ≤ E``.
+- ``dense``: every expert runs on every token and a ``[T, E]`` routing matrix (zero off the top-k) combines
+  them. Reads each expert once and does ``E/k`` times the needed FLOPs: the regime where ``T·k > E``, when
+  nearly every expert is hit anyway.
+
+On Ascend NPUs the torchair backend replaces the routed part with torch_npu's fused MoE ops
+(:mod:`ascend_spec.graph.moe_npu`).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .layers import MLP
+
+Strategy = Literal["auto", "gather", "dense"]
+
+
+def grouped_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+                 cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] → (expert ids [T, k] int64, routing weights [T, k] fp32)."""
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()  # [T, E]
+    biased = scores + bias.float()
+    t, e = scores.shape
+    if cfg.n_group > 1:
+        g = cfg.n_group
+        group_scores = biased.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter(1, keep, 1.0).bool()
+        expert_mask = group_mask.unsqueeze(-1).expand(t, g, e // g).reshape(t, e)
+        biased = biased.masked_fill(~expert_mask, float("-inf"))
+    ids = biased.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
+def pick_strategy(num_tokens: int, top_k: int, num_experts: int, strategy: Strategy = "auto") -> str:
+    if strategy != "auto":
+        return strategy
+    return "gather" if num_tokens * top_k <= num_experts else "dense"
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   strategy: Strategy = "auto") -> torch.Tensor:
+    """Σ_k weights[t, k] · expert_{ids[t, k]}(x[t]) for x [T, D]; returns [T, D] in x's dtype."""
+    t, d = x.shape
+    k = ids.shape[1]
+    e, two_i, _ = w13.shape
+    if pick_strategy(t, k, e, strategy) == "gather":
+        flat = ids.reshape(-1)
+        xs = x.unsqueeze(1).expand(t, k, d).reshape(t * k, d, 1)
+        gate, up = torch.bmm(w13[flat], xs).squeeze(-1).split(two_i // 2, dim=-1)  # [T·k, I] each
+        act = (F.silu(gate) * up).unsqueeze(-1)
+        out = torch.bmm(w2[flat], act).view(t, k, d)  # [T, k, D]
+        return (out.float() * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    gate, up = torch.einsum("td,efd->etf", x, w13).split(two_i // 2, dim=-1)  # [E, T, I] each
+    out = torch.einsum("eti,edi->etd", F.silu(gate) * up, w2)  # [E, T, D]
+    routing = torch.zeros(t, e, dtype=torch.float32, device=x.device).scatter(1, ids, weights)
+    return torch.einsum("etd,te->td", out.float(), routing).to(x.dtype)
+
+
+class MoEGate(nn.Module):
+    """HF names ``mlp.gate.weight [E, D]`` and ``mlp.gate.e_score_correction_bias [E]`` (kept in fp32)."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # A model-wide .to(bfloat16) must not round the bias: it breaks near-ties between experts, and HF
+        # (``_keep_in_fp32_modules_strict``) and vLLM keep it in fp32 too. Device moves still apply.
+        before = self.e_score_correction_bias.data
+        super()._apply(fn, recurse)
+        after = self.e_score_correction_bias.data
+        if before.dtype == torch.float32 and after.dtype != torch.float32:
+            self.e_score_correction_bias.data = before.to(after.device)
+        return self
+
+
+class StackedExperts(nn.Module):
+    """Routed experts in vLLM FusedMoE's layout; the checkpoint's per-expert tensors are stacked at load."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
+        super().__init__()
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = MoEGate(hidden, cfg.n_routed_experts)
+        self.experts = StackedExperts(hidden, cfg.moe_intermediate_size, cfg.n_routed_experts)
+        self.shared_experts = MLP(hidden, cfg.shared_intermediate_size) if cfg.n_shared_experts else None
+        #: "auto" picks per shape (see the module docstring); tests and benchmarks pin one.
+        self.strategy: Strategy = "auto"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = grouped_topk(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+        out = routed_experts(flat, ids, weights, self.experts.w13_weight, self.experts.w2_weight, self.strategy)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
