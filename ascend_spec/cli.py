@@ -1,4 +1,4 @@
-"""``ascend-spec generate``: text generation from a checkpoint with MTP speculative decoding."""
+"""``ascend-spec generate``: text generation with MTP speculative decoding; ``ascend-spec inspect``: size a model."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig, load_yaml_config
+from .graph.config import DTYPES
+from .model_info import add_inspect_parser
 from .models import BUNDLED_MODEL_DIR
 from .sampling import SamplingParams
 
@@ -26,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="top-N logprobs of each generated token (vLLM's meaning; shown with --json)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="run dtype (default: the checkpoint's torch_dtype; fp8 checkpoints are dequantised to it)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
@@ -36,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("-v", "--verbose", action="store_true")
+    g.set_defaults(func=cmd_generate)
+    add_inspect_parser(sub)
     return ap
 
 
@@ -82,10 +90,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     prompts = read_prompts(args)
     cfg = engine_config_from_args(args, len(prompts))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            logprobs=args.logprobs)
     tok = TextTokenizer(args.model)
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
-    engine = load_engine(args.model, cfg, count_host_syncs=args.json)
+    engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)
     if engine.backend_name != "eager":
         engine.warmup(progress=not args.json)
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
@@ -95,7 +104,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         result = {
             "outputs": [{"prompt": p, "token_ids": o.token_ids, "text": tok.decode(o.token_ids),
-                         "finish_reason": o.finish_reason} for p, o in zip(prompts, outputs)],
+                         "finish_reason": o.finish_reason,
+                         **({"logprobs": o.logprobs} if o.logprobs is not None else {})}
+                        for p, o in zip(prompts, outputs)],
+            "dtype": str(engine.dtype).removeprefix("torch."),
             "backend": engine.backend_name,
             "speculative": spec_name,
             "tokens_per_s": round(tokens_per_s, 2),
@@ -124,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return cmd_generate(args)
+        return args.func(args)
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     draft_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +66,8 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    #: one {token_id: logprob} per generated token (top-N plus the sampled token) when asked for
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -83,6 +86,20 @@ class RunStats:
         return self.host_syncs / self.num_steps if self.num_steps else 0.0
 
 
+def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """logits [B, Q, V], sampled [B, Q] (−1 placeholders allowed) → (top ids, top logprobs [B, Q, n],
+    sampled token's logprob [B, Q]); raw log-softmax of the target's logits, as vLLM's default reports."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[..., :0], sampled.new_zeros(*sampled.shape, 0))
+    return top_ids, top_lp, lp.gather(-1, sampled.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+def _logprob_entries(top_ids: list, top_lp: list, tok_lp: list, token: int) -> dict[int, float]:
+    entry = dict(zip(top_ids, top_lp))
+    entry[token] = tok_lp
+    return entry
+
+
 def dynamo_compile_count() -> int:
     from torch._dynamo.utils import counters
 
@@ -95,6 +112,7 @@ class Engine:
         self.model = model
         self.cfg = cfg
         self.device = torch.device(device)
+        self.dtype = model.lm_head.weight.dtype
         self.count_host_syncs = count_host_syncs
         mcfg = model.cfg
         if cfg.max_model_len > mcfg.max_position_embeddings:
@@ -104,7 +122,7 @@ class Engine:
         self.spec = cfg.speculative
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.caches = KVCaches.allocate(mcfg, cfg.max_model_len, cfg.max_num_seqs, self.device,
-                                        dtype=next(model.parameters()).dtype)
+                                        dtype=self.dtype)
         self.backend: Backend = get_backend(
             cfg.graph.effective_backend, self.device, mode=cfg.graph.mode,
             frozen_parameter=cfg.graph.enable_frozen_parameter, view_optimize=cfg.graph.enable_view_optimize,
@@ -182,6 +200,10 @@ class Engine:
             hidden, logits = self._target_eager(ids, pos, slots, table, seq_lens, self.caches.target)
             token = sample(logits[:, -1], SamplingTensors.from_params([seq.params], dev), generator)
         first = int(token[0])
+        if seq.params.logprobs is not None:
+            top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(logits[:, -1:], token.view(1, 1),
+                                                                          seq.params.logprobs))
+            seq.logprobs = [_logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first)]
         if self._append(seq, first) or self.proposer is None:
             return
         sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
@@ -239,6 +261,10 @@ class Engine:
                     counter.__exit__(None, None, None)
                     stats.host_syncs += counter.count
                     stats.host_sync_events.extend(counter.events)
+        n_logprobs = max((s.params.logprobs or 0 for s in running), default=0)
+        want_logprobs = any(s.params.logprobs is not None for s in running)
+        lp_h = ([t.tolist() for t in top_logprobs(logits[:, : sampled.shape[1]], sampled, n_logprobs)]
+                if want_logprobs else None)
         # The one host transfer of the step: tokens for bookkeeping.
         sampled_h, valid_h = sampled.tolist(), valid.tolist()
         drafts_h = drafts.tolist() if drafts is not None else None
@@ -247,8 +273,11 @@ class Engine:
             n_valid = valid_h[i]
             if metrics is not None:
                 metrics.record(num_draft[i], n_valid - 1)
-            for token in sampled_h[i][:n_valid]:
+            for j, token in enumerate(sampled_h[i][:n_valid]):
                 stats.generated_tokens += 1
+                if lp_h is not None and seq.logprobs is not None:
+                    n = seq.params.logprobs or 0
+                    seq.logprobs.append(_logprob_entries(lp_h[0][i][j][:n], lp_h[1][i][j][:n], lp_h[2][i][j], token))
                 if self._append(seq, token):
                     finished.append(seq)
                     break
@@ -338,12 +367,14 @@ class Engine:
         stats.decode_seconds = time.perf_counter() - start
         if self._warm:
             stats.recompiles_after_warmup = dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
-        outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length") for s in seqs]
+        outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]
         return outputs, stats, metrics
 
 
-def load_engine(model_dir: str | Path, cfg: EngineConfig, device: str = "cpu",
-                count_host_syncs: bool = False) -> Engine:
+def load_engine(model_dir: str | Path, cfg: EngineConfig, device: str = "cpu", count_host_syncs: bool = False,
+                dtype: str | torch.dtype | None = None) -> Engine:
+    """``dtype``: float32 | bfloat16 | float16; default the checkpoint's ``torch_dtype``."""
     from .graph.weights import load_model
 
-    return Engine(load_model(model_dir, device=device), cfg, device=device, count_host_syncs=count_host_syncs)
+    return Engine(load_model(model_dir, device=device, dtype=dtype), cfg, device=device,
+                  count_host_syncs=count_host_syncs)

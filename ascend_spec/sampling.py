@@ -24,6 +24,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    #: vLLM's meaning: return the top-``logprobs`` log-probabilities of each generated position (plus the
+    #: sampled token's), from the target's raw logits. None: none returned.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
@@ -36,6 +39,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or self.seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:

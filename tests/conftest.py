@@ -40,3 +40,12 @@ def bundled_dir() -> Path:
     if not (BUNDLED_MODEL_DIR / "model.safetensors").is_file():
         pytest.fail(f"bundled checkpoint missing in {BUNDLED_MODEL_DIR}; run tools/train_tiny.py")
     return BUNDLED_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def moe_ckpts(tmp_path_factory):
+    """The tiny MoE + YaRN presets (tools/make_tiny_moe.py), written once per session: name → folder."""
+    from ascend_spec.tiny_models import PRESETS, write_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_moe")
+    return {name: write_checkpoint(root / name, name) for name in PRESETS}
