@@ -26,6 +26,7 @@ exceeds ``--atol``, 1e-4 in fp32), so no wrong graph is ever timed. Then eager a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     wall0 = time.perf_counter()
     print("# MoE layer: eager vs torch.compile (CPU)\n")
     print(f"- torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"inductor fx_graph_cache={torch._inductor.config.fx_graph_cache}")
+          f"inductor fx_graph_cache={torch._inductor.config.fx_graph_cache}, "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(f"- hidden {args.hidden}, moe_intermediate {args.moe_intermediate}, shared experts 1 "
           f"(intermediate {args.moe_intermediate}), n_group = topk_group = {args.n_group}, dtype {args.dtype}")
     print(f"- E {args.experts}, top-k {args.topk}, tokens {args.tokens}, strategy {args.strategy}, "
@@ -181,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {e} | {k} | {t} | {t * k} | {picked} | {eg * 1e3:.3f} | {ed * 1e3:.3f} | {ew} "
                   f"| {cg * 1e3:.3f} | {cd * 1e3:.3f} | {cw} | {ok} |")
 
-    print(f"\ncompile (first calls) {compile_total:.1f} s; total wall {time.perf_counter() - wall0:.1f} s")
+    print(f"\ncompile (first calls) {compile_total:.1f} s; total wall {time.perf_counter() - wall0:.1f} s; "
+          f"load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     if failures:
         print("\nFAILED: compiled output differs from eager:\n" + "\n".join(f"- {f}" for f in failures))
         return 1
