@@ -85,3 +85,45 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig | str, seed: int = 0,
         if (BUNDLED_MODEL_DIR / name).is_file():
             shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
     return out
+
+
+def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, top_k: int = 4,
+                     yarn_factor: float = 2.0, routed_std: float = 0.004) -> Path:
+    """The bundled *trained* model turned into a MoE + YaRN DeepSeek-V3 whose drafts get accepted.
+
+    Layer 0 stays dense; layer 1 and the MTP layer become DeepSeekMoE: the shared experts (4 × 128) are the
+    trained dense MLP, split exactly; 16 routed experts (top-4 of 4 groups keeping 2, bias-corrected sigmoid
+    routing) add small random terms, so routing changes the numbers without erasing what was learnt. RoPE
+    becomes YaRN ×2 over the first half of the context. Random MoE checkpoints draft nothing useful
+    (acceptance ≈ 0), which would leave the speculative paths barely exercised; this one keeps acceptance.
+    """
+    from .graph.weights import load_model
+
+    dense = load_model(BUNDLED_MODEL_DIR)
+    base = dense.cfg
+    shared_parts = 4
+    cfg = dataclasses.replace(
+        base, torch_dtype="float32",
+        moe=MoEConfig(n_routed_experts=num_experts, num_experts_per_tok=top_k,
+                      moe_intermediate_size=base.intermediate_size // shared_parts, n_shared_experts=shared_parts,
+                      n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1),
+        rope_scaling=YarnScaling(factor=yarn_factor,
+                                 original_max_position_embeddings=int(base.max_position_embeddings / yarn_factor),
+                                 mscale=1.0, mscale_all_dim=1.0))
+    model = random_weights(DeepseekV3ForCausalLM(cfg), seed, std=routed_std)
+    trained = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in trained and trained[name].shape == p.shape:
+                p.copy_(trained[name])
+            elif ".shared_experts." in name:
+                p.copy_(trained[name.replace(".shared_experts.", ".")])
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed + 1))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, out, dtype=torch.float32)
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
+    return out

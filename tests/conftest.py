@@ -44,8 +44,12 @@ def bundled_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def moe_ckpts(tmp_path_factory):
-    """The tiny MoE + YaRN presets (tools/make_tiny_moe.py), written once per session: name → folder."""
-    from ascend_spec.tiny_models import PRESETS, write_checkpoint
+    """The tiny MoE + YaRN checkpoints of tools/make_tiny_moe.py, written once per session: name → folder.
+
+    The random presets, plus ``bundled-moe`` (the bundled trained model made MoE + YaRN: drafts get accepted).
+    """
+    from ascend_spec.tiny_models import PRESETS, moe_from_bundled, write_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_moe")
-    return {name: write_checkpoint(root / name, name) for name in PRESETS}
+    return {**{name: write_checkpoint(root / name, name) for name in PRESETS},
+            "bundled-moe": moe_from_bundled(root / "bundled-moe")}

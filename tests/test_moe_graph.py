@@ -11,7 +11,8 @@ from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 
-PRESET = "moe-e16-k4"  # dense layer 0, MoE layer 1, MoE MTP layer, YaRN, q_lora
+# The bundled trained model made MoE + YaRN (dense layer 0, MoE layer 1 and MoE MTP layer): drafts get accepted.
+PRESET = "bundled-moe"
 SIZES = (1, 2, 4)
 
 
@@ -60,7 +61,7 @@ def test_greedy_spec_equals_no_spec_and_is_sync_free(moe_ckpts, no_spec_referenc
     assert [o.token_ids for o in outs] == no_spec_reference
     # Eager runs count every op of the padded path (target verify, rejection sampling, MoE draft chain).
     assert stats.host_syncs == 0, stats.host_sync_events[:10]
-    assert metrics.num_drafts > 0
+    assert metrics.acceptance_rate > 0.3, metrics.as_dict()
 
 
 @pytest.fixture(scope="module")

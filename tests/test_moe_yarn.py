@@ -166,7 +166,7 @@ def _paged_logits(model, ids):
     return torch.cat([head, *tail], dim=1)
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", [*sorted(PRESETS), "bundled-moe"])
 def test_paged_logits_match_hf_fp32(moe_ckpts, preset):
     from transformers import AutoModelForCausalLM
 

