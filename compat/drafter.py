@@ -21,6 +21,9 @@ writes the same cache in the same layout.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import json
 import logging
 import time
 import weakref
@@ -33,12 +36,12 @@ import torch
 from ascend_spec import spec_decode
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import get_backend
-from ascend_spec.graph.weights import load_model as load_our_model
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
+from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view, draft_layer_names
-from .settings import METHODS, PluginSettings
+from .settings import METHODS, PluginSettings, sequence_parallel_token_multiple
 from .shims import (
     CompatError,
     attn_fields,
@@ -71,9 +74,13 @@ class DrafterStats:
     graph_calls: int = 0  # ours, through the compiled bucket graph
     eager_calls: int = 0  # ours, ragged batches (prefill / mixed) run eagerly
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
+    fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
+    decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
+    rank: int = 0
     warmup_seconds: float = 0.0
     buckets: list[int] = field(default_factory=list)
     backend: str = ""
+    weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
     # async-scheduling conditions (collect_stats only)
     steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
@@ -91,6 +98,30 @@ def _fit_width(block_table: torch.Tensor, width: int) -> torch.Tensor:
     if m >= width:
         return block_table[:, :width].long()
     return torch.cat([block_table.long(), block_table.new_zeros(b, width - m, dtype=torch.long)], dim=1)
+
+
+class StatsFile:
+    """``{stats_dir}/drafter-rank{R}.json``: written at start, at most every few seconds while serving (a
+    worker can be killed without notice) and at interpreter exit."""
+
+    MIN_INTERVAL_S = 5.0
+
+    def __init__(self, stats_dir: str, stats: DrafterStats) -> None:
+        self.path = Path(stats_dir) / f"drafter-rank{stats.rank}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.stats = stats
+        self._last = 0.0
+        atexit.register(self.write)
+
+    def maybe_write(self) -> None:
+        if time.monotonic() - self._last >= self.MIN_INTERVAL_S:
+            self.write()
+
+    def write(self) -> None:
+        self._last = time.monotonic()
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.stats.as_dict(), indent=2))
+        tmp.replace(self.path)  # readers never see half a file
 
 
 def build_adapter_class(base: type) -> type:
@@ -114,6 +145,8 @@ def build_adapter_class(base: type) -> type:
             self._ascend_layer = ""
             self._ascend_cache_bound = False
             self._ascend_prev_host_ptr = None
+            self._ascend_stats_file: StatsFile | None = None
+            self._ascend_tp = 1
             if self.ascend_enabled:
                 raise_if_missing(probe_proposer_api(base), "drafter interface")
             LIVE.append(weakref.ref(self))
@@ -126,16 +159,16 @@ def build_adapter_class(base: type) -> type:
                 return
             raise_if_missing(probe_runner(self.runner), "model runner state")
             logger.info("ascend_spec: vLLM API shapes in use: %s", detected_drift(self.runner))
-            model_dir = Path(self.vllm_config.model_config.model)
-            if not (model_dir / "config.json").is_file():
-                raise CompatError(f"ascend_spec drafter needs a local checkpoint directory; {model_dir} has no "
-                                  "config.json")
-            model = load_our_model(model_dir, device=self.device, dtype=self.vllm_config.model_config.dtype)
-            if model.cfg.num_nextn_predict_layers != 1:
-                raise CompatError(f"ascend_spec drafter supports checkpoints with one MTP layer; {model_dir} has "
-                                  f"{model.cfg.num_nextn_predict_layers}")
-            # Like vLLM, the MTP layer drafts with the target's embedding and lm_head (graph/model.py).
-            self._ascend_model = model
+            # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
+            # shares): no checkpoint file is read, no weight is copied.
+            from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                          tensor_model_parallel_all_reduce)
+
+            self._ascend_tp = get_tensor_model_parallel_world_size()
+            self.ascend_stats.rank = get_tensor_model_parallel_rank()
+            self._ascend_model = mtp_model_on_vllm(self.model, config_from_vllm(self.vllm_config), self._ascend_tp,
+                                                   tensor_model_parallel_all_reduce, self.device)
+            self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
 
         def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
             call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)
@@ -149,7 +182,7 @@ def build_adapter_class(base: type) -> type:
             # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
             # cache as an input, so the real one replaces it without a recompile).
             stand_in = torch.empty(kv_cache_config.num_blocks, self.block_size, cfg.latent_dim,
-                                   dtype=self._ascend_model.lm_head.weight.dtype, device=self.device)
+                                   dtype=self.vllm_config.model_config.dtype, device=self.device)
             self._build_ascend(stand_in)
 
         def _build_ascend(self, cache: torch.Tensor) -> None:
@@ -159,20 +192,33 @@ def build_adapter_class(base: type) -> type:
                                   frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
                                   tiling_schedule_optimize=g.tiling_schedule_optimize,
                                   use_cached_graph=g.use_cached_graph)
-            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs)
+            k = self.num_speculative_tokens
+            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k,
+                                  token_multiple=sequence_parallel_token_multiple(self.vllm_config, self._ascend_tp))
             spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
             self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
                                                backend=backend, batch_sizes=sizes)
             self._ascend_cache_bound = False
             self.ascend_stats.buckets = list(sizes)
             self.ascend_stats.backend = backend.name
+            st = self.ascend_stats
             if s.warmup:
+                # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's
+                # own lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their
+                # __del__ (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it
+                # fails ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free
+                # them now, outside tracing.
+                gc.collect()
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     self._ascend.warmup(progress=False)
-                self.ascend_stats.warmup_seconds = time.perf_counter() - t0
-                logger.info("ascend_spec: compiled draft graphs (%s) for batch sizes %s in %.1f s", backend.name,
-                            sizes, self.ascend_stats.warmup_seconds)
+                st.warmup_seconds = time.perf_counter() - t0
+            logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
+                        "weights shared with vLLM (drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
+                        backend.name, sizes, 1 + k, st.warmup_seconds, st.weights_owned_bytes / 2**20)
+            if s.stats_dir:
+                self._ascend_stats_file = StatsFile(s.stats_dir, st)
+                self._ascend_stats_file.write()
 
         def _bind_cache(self) -> None:
             cfg = self._ascend_model.cfg
@@ -215,12 +261,15 @@ def build_adapter_class(base: type) -> type:
             k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
             f = attn_fields(common_attn_metadata)
             decode = f.max_query_len == 1 + k and f.num_actual_tokens == f.num_reqs * (1 + k)
-            if self._can_draft(k, target_positions, sampling_metadata):
+            reason = self._fallback_reason(k, target_positions, sampling_metadata)
+            if reason is None:
                 out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
                                            next_token_ids, token_indices_to_sample, f, decode)
             else:
                 if self.ascend_enabled:
-                    self.ascend_stats.fallback_calls += 1
+                    st = self.ascend_stats
+                    st.fallback_calls += 1
+                    st.fallbacks_by_reason[reason] = st.fallbacks_by_reason.get(reason, 0) + 1
                 # Forward what the runner passed, unchanged: runner and base class come from the same release.
                 out = super().propose(
                     num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
@@ -234,15 +283,24 @@ def build_adapter_class(base: type) -> type:
             if decode:
                 st.decode_calls += 1
                 st.decode_seconds += dt
+            if self._ascend_stats_file is not None:
+                self._ascend_stats_file.maybe_write()
             return out
 
-        def _can_draft(self, k: int, target_positions: Any, sampling_metadata: Any) -> bool:
-            if self._ascend is None or k != self._ascend.num_speculative_tokens:
-                return False
-            if target_positions is not None and target_positions.dim() != 1:  # M-RoPE
-                return False
+        def _fallback_reason(self, k: int, target_positions: Any, sampling_metadata: Any) -> str | None:
+            """Why vLLM's own propose must run this call, or None when ours drafts it."""
+            if not self.ascend_enabled:
+                return "disabled"
+            if self._ascend is None:
+                return "not_built"
+            if k != self._ascend.num_speculative_tokens:
+                return "dynamic_k"
+            if target_positions is not None and target_positions.dim() != 1:
+                return "mrope"
             probabilistic = getattr(self.speculative_config, "draft_sample_method", "greedy") != "greedy"
-            return not (probabilistic and sampling_metadata is not None and not sampling_metadata.all_greedy)
+            if probabilistic and sampling_metadata is not None and not sampling_metadata.all_greedy:
+                return "probabilistic_draft"
+            return None
 
         def _propose_ascend(self, k: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                             target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
@@ -264,7 +322,10 @@ def build_adapter_class(base: type) -> type:
                 hidden = target_hidden_states[:n].view(b, q, -1)
                 slots = f.slot_mapping[:n].view(b, q).long()
                 sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
-                self.ascend_stats.graph_calls += 1
+                if self._ascend.graph.bucket_for(b) is None:
+                    self._note_eager_decode(b)
+                else:
+                    self.ascend_stats.graph_calls += 1
             else:
                 # Prefill or mixed: repack ragged -> [B, Qmax] with inert padding (slot -1, token 0).
                 qsl_cpu = f.query_start_loc_cpu[: b + 1].long()
@@ -294,6 +355,15 @@ def build_adapter_class(base: type) -> type:
             if self.ascend_settings.collect_stats:
                 self._check_host_buffer_after(b)
             return draft
+
+        def _note_eager_decode(self, b: int) -> None:
+            st = self.ascend_stats
+            st.decode_eager_calls += 1
+            st.eager_calls += 1
+            if st.decode_eager_calls == 1:
+                logger.warning("ascend_spec drafter rank %d: steady-state decode batch of %d requests is above the "
+                               "largest graph bucket %d and runs eagerly; add it to "
+                               "torchair_graph_config.graph_batch_sizes", st.rank, b, self._ascend.graph.max_size)
 
         def _record_host_buffer(self, b: int, f: Any) -> None:
             buf = getattr(self.runner, "optimistic_seq_lens_cpu", None)

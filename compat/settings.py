@@ -10,7 +10,8 @@
 
 ``ascend_spec`` keys: ``enabled`` (default true once the block is present), ``warmup`` (compile every
 graph bucket when vLLM sets up the KV cache; default true), ``collect_stats`` (record the async
-scheduling conditions seen per step; default false, costs host reads). ``torchair_graph_config`` is
+scheduling conditions seen per step; default false, costs host reads), ``stats_dir`` (a folder: each rank
+writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown). ``torchair_graph_config`` is
 validated by :meth:`TorchairGraphConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
 inductor on CUDA or CPU. Without ``graph_batch_sizes`` the buckets are nano-vllm's
 ``[1, 2, 4, 8, 16, ...]`` up to ``min(max_num_seqs, 16)``; bigger batches run the same draft eagerly.
@@ -19,6 +20,7 @@ Pure Python: importing this module never imports vLLM.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ from ascend_spec.config import ConfigError, TorchairGraphConfig, default_graph_b
 
 ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
-SETTINGS_KEYS = ("enabled", "warmup", "collect_stats")
+SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir")
 DEFAULT_MAX_GRAPH_BATCH = 16
 METHODS = ("mtp", "deepseek_mtp")
 
@@ -36,6 +38,7 @@ class PluginSettings:
     enabled: bool = False
     warmup: bool = True
     collect_stats: bool = False
+    stats_dir: str | None = None
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
 
     @classmethod
@@ -50,15 +53,49 @@ class PluginSettings:
         unknown = sorted(set(block) - set(SETTINGS_KEYS))
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {sorted(SETTINGS_KEYS)}")
-        for key in SETTINGS_KEYS:
+        for key in ("enabled", "warmup", "collect_stats"):
             if key in block and not isinstance(block[key], bool):
                 raise ConfigError(f"{where}.{key} must be true or false, got {block[key]!r}")
+        stats_dir = block.get("stats_dir")
+        if stats_dir is not None and (not isinstance(stats_dir, str) or not stats_dir):
+            raise ConfigError(f"{where}.stats_dir must be a folder path (string), got {stats_dir!r}")
         return cls(enabled=block.get("enabled", True), warmup=block.get("warmup", True),
-                   collect_stats=block.get("collect_stats", False),
+                   collect_stats=block.get("collect_stats", False), stats_dir=stats_dir,
                    graph=TorchairGraphConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
 
-    def batch_sizes(self, max_num_seqs: int) -> list[int]:
+    def batch_sizes(self, max_num_seqs: int, num_speculative_tokens: int = 0, token_multiple: int = 1) -> list[int]:
+        """Graph buckets in requests; see :func:`graph_size_plan` for the token-count rule."""
         g = self.graph
-        if g.graph_batch_sizes or g.graph_batch_sizes_init:
-            return g.batch_sizes(max_num_seqs)
-        return default_graph_batch_sizes(min(max_num_seqs, DEFAULT_MAX_GRAPH_BATCH))
+        explicit = bool(g.graph_batch_sizes or g.graph_batch_sizes_init)
+        sizes = (g.batch_sizes(max_num_seqs) if explicit
+                 else default_graph_batch_sizes(min(max_num_seqs, DEFAULT_MAX_GRAPH_BATCH)))
+        return graph_size_plan(sizes, num_speculative_tokens, token_multiple, explicit)
+
+
+def graph_size_plan(sizes: list[int], num_speculative_tokens: int, token_multiple: int = 1,
+                    explicit: bool = True) -> list[int]:
+    """Buckets whose graphs hold ``size × (1 + K)`` tokens, each a multiple of ``token_multiple``.
+
+    ``token_multiple`` is the tensor-parallel size where the host splits tokens across ranks (sequence parallel:
+    vllm-ascend's flashcomm, vLLM's sequence-parallel MoE), else 1. Sizes the user chose must meet it (one error
+    naming the values, the "Can't determine cudagraph shapes ... multiple of" class of start-up failure);
+    default sizes are rounded up to the next size that does.
+    """
+    q = 1 + num_speculative_tokens
+    if token_multiple <= 1:
+        return sorted(set(sizes))
+    bad = [s for s in sizes if (s * q) % token_multiple]
+    if bad and explicit:
+        raise ConfigError(
+            f"{GRAPH_CONFIG_KEY}.graph_batch_sizes {bad}: a graph holds size × (1 + num_speculative_tokens="
+            f"{num_speculative_tokens}) tokens = {[s * q for s in bad]}, which must be multiples of the "
+            f"tensor-parallel size {token_multiple} under sequence parallelism; allowed sizes are multiples of "
+            f"{token_multiple // math.gcd(q, token_multiple)}")
+    step = token_multiple // math.gcd(q, token_multiple)
+    return sorted({-(-s // step) * step for s in sizes})
+
+
+def sequence_parallel_token_multiple(vllm_config: Any, tp_size: int) -> int:
+    """The TP size when the host splits each batch's tokens across ranks (sequence-parallel MoE), else 1."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return tp_size if tp_size > 1 and getattr(parallel, "use_sequence_parallel_moe", False) else 1

@@ -46,7 +46,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = rope
-        h = cfg.num_attention_heads
+        self._num_heads = h = cfg.num_attention_heads
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -58,24 +58,37 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
 
-    # -- shared projections ---------------------------------------------------------------------
-    def _queries(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
-        q = q.view(*x.shape[:-1], cfg.num_attention_heads, cfg.qk_head_dim)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        return q_nope, self.rope(q_pe, positions)
+    #: Host-engine seams (see graph/external.py), None for our own weights: a fused ``[q_a ; kv_a]``
+    #: projection (vLLM's ``fused_qkv_a_proj``), and the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.
+    fused_a_proj: nn.Module | None = None
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _latent(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def num_heads(self) -> int:
+        """Heads computed here: all of them, or this rank's share when the projections are tensor-parallel."""
+        return self._num_heads
+
+    # -- shared projections ---------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x → (q_nope [..., H, nope], roped q_pe [..., H, rope], normed c_kv [..., C], roped k_pe [..., rope])."""
         cfg = self.cfg
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        if self.fused_a_proj is not None:
+            q_a, kv_a = self.fused_a_proj(x).split([cfg.q_lora_rank, cfg.latent_dim], dim=-1)
+        else:
+            q_a = self.q_a_proj(x) if cfg.q_lora_rank else x
+            kv_a = self.kv_a_proj_with_mqa(x)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)) if cfg.q_lora_rank else self.q_proj(q_a)
+        q = q.view(*x.shape[:-1], self.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_pe = self.rope(k_pe.unsqueeze(-2), positions).squeeze(-2)
-        return self.kv_a_layernorm(c_kv), k_pe
+        return q_nope, self.rope(q_pe, positions), self.kv_a_layernorm(c_kv), k_pe
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.absorbed is not None:
+            return self.absorbed
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                       cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # [H, nope, C], [H, v, C]
 
     # -- paged (inference) --------------------------------------------------------------------
@@ -83,8 +96,7 @@ class MLAttention(nn.Module):
         """x: [B, Q, D] → [B, Q, D]; writes this forward's latents into ``cache`` first."""
         cfg = self.cfg
         b, q_len, _ = x.shape
-        q_nope, q_pe = self._queries(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope]
-        c_kv, k_pe = self._latent(x, inp.positions)
+        q_nope, q_pe, c_kv, k_pe = self._project(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope], ...
         write_latent_cache(cache, inp.slot_mapping.reshape(-1),
                            torch.cat([c_kv, k_pe], dim=-1).reshape(b * q_len, cfg.latent_dim))
 
@@ -112,11 +124,10 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         positions = torch.arange(s, device=x.device).expand(b, s)
-        q_nope, q_pe = self._queries(x, positions)
-        c_kv, k_pe = self._latent(x, positions)
-        kv = self.kv_b_proj(c_kv).view(b, s, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
+        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, cfg.num_attention_heads, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=cfg.softmax_scale)

@@ -22,7 +22,7 @@ On Ascend NPUs the torchair backend replaces the routed part with torch_npu's fu
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +34,10 @@ from .layers import MLP
 Strategy = Literal["auto", "gather", "dense"]
 
 
-def grouped_topk(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor,
                  cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] → (expert ids [T, k] int64, routing weights [T, k] fp32)."""
-    scores = F.linear(x.float(), gate_weight.float()).sigmoid()  # [T, E]
+    """router logits [T, E] → (expert ids [T, k] int64, routing weights [T, k] fp32)."""
+    scores = router_logits.float().sigmoid()  # [T, E]
     biased = scores + bias.float()
     t, e = scores.shape
     if cfg.n_group > 1:
@@ -87,6 +87,10 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] → [T, E] in fp32 (HF and vLLM route in fp32)."""
+        return F.linear(x.float(), self.weight.float())
+
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         # A model-wide .to(bfloat16) must not round the bias: it breaks near-ties between experts, and HF
         # (``_keep_in_fp32_modules_strict``) and vLLM keep it in fp32 too. Device moves still apply.
@@ -116,6 +120,9 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, cfg.shared_intermediate_size) if cfg.n_shared_experts else None
         #: "auto" picks per shape (see the module docstring); tests and benchmarks pin one.
         self.strategy: Strategy = "auto"
+        #: Tensor parallel: experts hold this rank's slice of each expert's intermediate dim, so the routed and
+        #: shared outputs are partial sums; the host engine supplies the all-reduce (None: one device).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -128,8 +135,10 @@ class MoE(nn.Module):
                                      top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                                      routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
         else:
-            ids, weights = grouped_topk(flat, self.gate.weight, self.gate.e_score_correction_bias, self.cfg)
+            ids, weights = grouped_topk(self.gate.router_logits(flat), self.gate.e_score_correction_bias, self.cfg)
             out = routed_experts(flat, ids, weights, w13, w2, self.strategy)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        if self.reduce is not None:
+            out = self.reduce(out)
         return out.view_as(x)

@@ -51,7 +51,7 @@ def test_moe_layer_matches_hf(e, k, groups, keep, norm):
     x = torch.randn(3, 11, d, generator=gen)
     with torch.no_grad():
         _, ref_w, ref_ids = hf.gate(x)
-        ids, w = grouped_topk(x.view(-1, d), ours.gate.weight, ours.gate.e_score_correction_bias, cfg)
+        ids, w = grouped_topk(ours.gate.router_logits(x.view(-1, d)), ours.gate.e_score_correction_bias, cfg)
         # Same experts with the same weights (top-k order is unspecified: compare sorted by expert id).
         order, ref_order = ids.argsort(-1), ref_ids.argsort(-1)
         assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
@@ -65,8 +65,8 @@ def test_moe_layer_matches_hf(e, k, groups, keep, norm):
 def test_bias_chooses_but_does_not_weigh():
     """e_score_correction_bias decides which experts run, but their weights are the unbiased scores."""
     cfg = MoEConfig(n_routed_experts=4, num_experts_per_tok=1, moe_intermediate_size=8, norm_topk_prob=False)
-    gate = torch.zeros(4, 2)  # every score sigmoid(0) = 0.5
-    ids, w = grouped_topk(torch.ones(1, 2), gate, torch.tensor([0.0, 0.0, 0.3, 0.0]), cfg)
+    logits = torch.zeros(1, 4)  # every score sigmoid(0) = 0.5
+    ids, w = grouped_topk(logits, torch.tensor([0.0, 0.0, 0.3, 0.0]), cfg)
     assert ids.tolist() == [[2]] and w.tolist() == [[0.5]]
 
 
@@ -74,7 +74,7 @@ def test_groups_restrict_the_choice():
     """With topk_group=1 the best group wins on its top-2 sum, even if another group holds the single best expert."""
     cfg = MoEConfig(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, n_group=2, topk_group=1)
     bias = torch.tensor([0.9, -0.4, 0.3, 0.3])  # group 0: 1.4 + 0.1 = 1.5, group 1: 0.8 + 0.8 = 1.6
-    ids, _ = grouped_topk(torch.ones(1, 2), torch.zeros(4, 2), bias, cfg)
+    ids, _ = grouped_topk(torch.zeros(1, 4), bias, cfg)
     assert sorted(ids[0].tolist()) == [2, 3]
 
 

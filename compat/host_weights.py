@@ -1,0 +1,174 @@
+"""Our draft chain on the weights vLLM already loaded: no second copy, any tensor-parallel size.
+
+vLLM builds the MTP layer as ``DeepSeekMTP`` → ``DeepSeekMultiTokenPredictor`` (layers keyed by
+``str(num_hidden_layers + i)``) and shares the target's embedding and lm_head with it. :func:`mtp_model_on_vllm`
+builds our :class:`~ascend_spec.graph.model.DeepseekV3ForCausalLM` on the meta device (no memory) and fills the
+MTP path with vLLM's objects:
+
+* tensors we can view are used in place: RMSNorm scales, ``eh_proj`` (a plain ``nn.Linear``), the absorbed MLA
+  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``), FusedMoE's stacked ``w13_weight`` /
+  ``w2_weight`` and the router's ``e_score_correction_bias``, the rotary ``cos_sin_cache``;
+* layers we cannot view (vLLM-CPU prepacks linear weights into oneDNN handles; quantised or tensor-parallel
+  layers) run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`): the q/kv
+  projections (``fused_qkv_a_proj`` as one call), ``o_proj`` (row-parallel: all-reduce inside), the router
+  GEMM, the shared experts, a dense MLP, the vocab-parallel embedding, and the lm_head through vLLM's
+  ``LogitsProcessor`` (all-gathered logits on every rank).
+
+The draft chain, padding, buckets, paged MLA over vLLM's draft cache and sampling stay ours. Under tensor
+parallel each rank computes its own heads and its own slice of each expert; the MoE's partial sums go through
+vLLM's tensor-parallel all-reduce, as its FusedMoE does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascend_spec.graph.config import ModelConfig
+from ascend_spec.graph.external import External
+from ascend_spec.graph.layers import RMSNorm
+from ascend_spec.graph.model import DeepseekV3ForCausalLM
+from ascend_spec.graph.moe import MoE
+
+from .shims import CompatError
+
+
+def _linear(layer: nn.Module, name: str) -> External:
+    """vLLM's LinearBase layers return ``(output, bias)``; a plain module returns the output."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out = layer(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    return External(forward, f"vllm {name}")
+
+
+def _share_norm(ours: RMSNorm, vnorm: nn.Module) -> None:
+    ours.weight = vnorm.weight  # the same Parameter: no copy
+    ours.eps = float(vnorm.variance_epsilon)
+
+
+class HostGate(nn.Module):
+    """The router on vLLM's GateLinear: its GEMM (prepacked on CPU) and its fp32 correction bias in place."""
+
+    def __init__(self, gate: nn.Module) -> None:
+        super().__init__()
+        self.linear = _linear(gate, "gate")
+        # DeepseekV2MoE attaches the bias to its gate at run time (noaux_tc): probe it.
+        bias = getattr(gate, "e_score_correction_bias", None)  # manifest: ignore (set by DeepseekV2MoE)
+        if not isinstance(bias, torch.Tensor):
+            raise CompatError("vLLM's MoE gate has no e_score_correction_bias (topk_method noaux_tc expected)")
+        self.e_score_correction_bias = bias
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float()
+
+
+def config_from_vllm(vllm_config: Any) -> ModelConfig:
+    """Our ModelConfig from the draft model's HF config vLLM holds (no file is read)."""
+    hf = vllm_config.speculative_config.draft_model_config.hf_config.to_dict()
+    hf["architectures"] = ["DeepseekV3ForCausalLM"]  # vLLM renames the draft's to DeepSeekMTPModel
+    return ModelConfig.from_hf_dict(hf)
+
+
+def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, all_reduce: Any,
+                      device: torch.device) -> DeepseekV3ForCausalLM:
+    """``mtp_model``: vLLM's DeepSeekMTP (loaded). ``all_reduce``: vLLM's tensor-parallel all-reduce."""
+    if cfg.num_nextn_predict_layers != 1:
+        raise CompatError(f"ascend_spec drafter supports one MTP layer; the model has {cfg.num_nextn_predict_layers}")
+    if cfg.num_attention_heads % tp_size:
+        raise CompatError(f"num_attention_heads={cfg.num_attention_heads} is not divisible by "
+                          f"tensor_parallel_size={tp_size}")
+    local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp_size)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(local)
+    predictor = mtp_model.model
+    mtp_layer = predictor.layers[str(cfg.num_hidden_layers)]
+    decoder = mtp_layer.mtp_block
+    model.model.embed_tokens = External(predictor.embed_tokens, "vllm embed_tokens (vocab-parallel)")
+    head = mtp_layer.shared_head.head  # vLLM points it at the target's lm_head
+    model.lm_head = External(lambda h: predictor.logits_processor(head, h), "vllm logits_processor(lm_head)")
+
+    ours = model.mtp_layer(0)
+    for name in ("enorm", "hnorm"):
+        _share_norm(getattr(ours, name), getattr(mtp_layer, name))
+    _share_norm(ours.shared_head.norm, mtp_layer.shared_head.norm)
+    _share_norm(ours.input_layernorm, decoder.input_layernorm)
+    _share_norm(ours.post_attention_layernorm, decoder.post_attention_layernorm)
+    ours.eh_proj = mtp_layer.eh_proj  # a plain nn.Linear in vLLM: used as is
+    _attention_on_vllm(ours.self_attn, decoder.self_attn, cfg, device)
+    if cfg.is_moe_layer(cfg.num_hidden_layers):
+        _moe_on_vllm(ours.mlp, decoder.mlp, tp_size, all_reduce)
+    else:
+        ours.mlp = External(decoder.mlp, "vllm DeepseekV2MLP")
+    _check_nothing_on_meta(model)
+    return model
+
+
+def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
+    if cfg.q_lora_rank:
+        attn.fused_a_proj = _linear(vattn.fused_qkv_a_proj, "fused_qkv_a_proj")
+        attn.q_b_proj = _linear(vattn.q_b_proj, "q_b_proj")
+        _share_norm(attn.q_a_layernorm, vattn.q_a_layernorm)
+        del attn.q_a_proj, attn.kv_a_proj_with_mqa
+    else:
+        attn.q_proj = _linear(vattn.q_proj, "q_proj")
+        attn.kv_a_proj_with_mqa = _linear(vattn.kv_a_proj_with_mqa, "kv_a_proj_with_mqa")
+    _share_norm(attn.kv_a_layernorm, vattn.kv_a_layernorm)
+    attn.o_proj = _linear(vattn.o_proj, "o_proj")
+    del attn.kv_b_proj  # replaced by the absorbed matrices vLLM derived from it
+    holder = next((m for m in vattn.modules()  # manifest: ignore (W_UK_T is registered at run time)
+                   if isinstance(getattr(m, "W_UK_T", None), torch.Tensor)), None)  # manifest: ignore
+    if holder is None:
+        raise CompatError("vLLM's MLA layer holds no W_UK_T / W_UV (a backend that packs them, e.g. AMX MLA): "
+                          "the ascend_spec drafter cannot share them")
+    # W_UK_T [H, nope, C] is our W_UK; W_UV [H, C, v] transposed is our W_UV [H, v, C]: views, no copies.
+    attn.absorbed = (holder.W_UK_T, holder.W_UV.transpose(1, 2))
+    # vLLM's rotary cache is [positions, rope]: cos then sin of the same frequencies ours use (YaRN included).
+    rotary = vattn.rotary_emb
+    cache = rotary.cos_sin_cache
+    half = cfg.qk_rope_head_dim // 2
+    attn.rope.cos_cached = cache[:, :half].to(device=device, dtype=torch.float32)
+    attn.rope.sin_cached = cache[:, half:].to(device=device, dtype=torch.float32)
+
+
+def _moe_on_vllm(moe: MoE, vmoe: nn.Module, tp_size: int, all_reduce: Any) -> None:
+    # FusedMoE registers w13_weight / w2_weight at run time (its quant method's create_weights): probe them.
+    routed = next((m for m in vmoe.experts.modules()  # manifest: ignore (torch's Module.modules)
+                   if isinstance(getattr(m, "w13_weight", None), torch.Tensor)), None)  # manifest: ignore
+    expert_map = getattr(routed, "expert_map", None)  # manifest: ignore (set by FusedMoE under EP)
+    if routed is None or routed.w13_weight.dim() != 3 or not routed.w13_weight.is_floating_point() or \
+            expert_map is not None:
+        raise CompatError("vLLM's FusedMoE holds its experts quantised, repacked or expert-parallel: the "
+                          "ascend_spec drafter supports unquantised experts without expert parallelism")
+    moe.gate = HostGate(vmoe.gate)
+    moe.experts.w13_weight = routed.w13_weight  # [E, 2I/tp, D] in place
+    moe.experts.w2_weight = routed.w2_weight  # [E, D, I/tp] in place
+    if vmoe.shared_experts is not None:
+        moe.shared_experts = External(vmoe.shared_experts, "vllm shared_experts (partial under TP)")
+    if tp_size > 1:
+        moe.reduce = all_reduce
+
+
+def _check_nothing_on_meta(model: DeepseekV3ForCausalLM) -> None:
+    """Every tensor the draft chain can reach is vLLM's or built here; target layers stay on meta, unused."""
+    mtp = model.mtp_layer(0)
+    left = [n for n, t in [*mtp.named_parameters(), *mtp.named_buffers()] if t.device.type == "meta"]
+    if left:
+        raise CompatError(f"ascend_spec drafter: no vLLM tensor found for {left}")
+
+
+def owned_tensor_bytes(model: DeepseekV3ForCausalLM, host: nn.Module) -> int:
+    """Bytes of tensors the drafter holds that are not the host model's (graph buffers excluded)."""
+    host_ptrs = {t.untyped_storage().data_ptr() for t in [*host.parameters(), *host.buffers()]}
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta":
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in host_ptrs and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
