@@ -56,7 +56,8 @@ from .shims import (
     raise_if_missing,
 )
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
+logger = logging.getLogger("vllm.ascend_spec.drafter")
 
 #: every adapter built in this process (the harness and benchmark read their stats)
 LIVE: list[weakref.ref] = []

@@ -11,7 +11,8 @@ below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
 ``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail);
-``async_exact_lengths``: ``all`` (default) | ``target`` (see below).
+``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
+``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
@@ -132,6 +133,34 @@ def _break_api(spec: str):
     raise ValueError(f"{spec}: not found")
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of the unique storages of all live (non-meta) tensors in this process.
+
+    Weights that vLLM-CPU keeps only inside oneDNN GEMM handles are no Python tensors and are not counted:
+    compare two engines of the same checkpoint, not this figure with the checkpoint size.
+    """
+    import torch
+
+    # vLLM gc.freeze()s what exists after start-up; frozen objects are invisible to gc.get_objects().
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()
+    gc.collect()
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+                continue
+            if storage.data_ptr() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    if frozen:
+        gc.freeze()
+    return total
+
+
 def _metrics(llm: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in llm.get_metrics():
@@ -190,6 +219,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
         if cfg.get("logprobs"):
             result["logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
                                   for o in outs]
+        if cfg.get("measure_memory"):
+            result["live_tensor_bytes"] = live_tensor_bytes()
         result["drafter"] = snapshots[-1]
         result["drafter_snapshots"] = snapshots  # cumulative stats after each generate call
     except Exception as e:  # noqa: BLE001 - reported to the caller, which decides

@@ -12,10 +12,13 @@ fixed-shape formulations, picked statically from the shapes (never from the data
 host sync and no data-dependent shape:
 
 - ``gather``: each of the ``T·k`` (token, expert) pairs gathers its expert's weights and runs a batched GEMV.
-  Reads only the chosen experts: the decode regime, where ``T·k ≤ E``.
+  Compiled, inductor fuses the gather into one kernel that reads the chosen experts in place; eager, each pair's
+  weights are copied first.
 - ``dense``: every expert runs on every token and a ``[T, E]`` routing matrix (zero off the top-k) combines
-  them. Reads each expert once and does ``E/k`` times the needed FLOPs: the regime where ``T·k > E``, when
-  nearly every expert is hit anyway.
+  them. Reads each expert once and does ``E/k`` times the needed FLOPs.
+
+``auto`` picks from the measured crossover (``tools/bench_moe.py``, CPU, fp32): compiled, gather wins up to about
+``T·k = 8E`` pairs (DeepSeek-V3 decode, k/E = 1/32, always gathers); eager, only below about ``T·k = E/4``.
 
 On Ascend NPUs the torchair backend replaces the routed part with torch_npu's fused MoE ops
 (:mod:`ascend_spec.graph.moe_npu`).
@@ -54,10 +57,14 @@ def grouped_topk(router_logits: torch.Tensor, bias: torch.Tensor,
     return ids, weights * cfg.routed_scaling_factor
 
 
-def pick_strategy(num_tokens: int, top_k: int, num_experts: int, strategy: Strategy = "auto") -> str:
+def pick_strategy(num_tokens: int, top_k: int, num_experts: int, strategy: Strategy = "auto",
+                  compiled: bool | None = None) -> str:
+    """Static choice from the shapes (and whether we are being compiled), never from the data."""
     if strategy != "auto":
         return strategy
-    return "gather" if num_tokens * top_k <= num_experts else "dense"
+    compiled = torch.compiler.is_compiling() if compiled is None else compiled
+    pairs = num_tokens * top_k
+    return "gather" if (pairs <= 8 * num_experts if compiled else 4 * pairs <= num_experts) else "dense"
 
 
 def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -1,6 +1,7 @@
 """compat/ shims, settings and probes on stand-in objects: no vLLM engine, no vLLM import needed."""
 from __future__ import annotations
 
+import json
 import types
 
 import numpy as np
@@ -159,3 +160,47 @@ def test_settings_from_additional_config():
         PluginSettings.from_additional_config({"ascend_spec": {"enable": True}})
     with pytest.raises(ConfigError, match="backend"):
         PluginSettings.from_additional_config({"ascend_spec": {}, "torchair_graph_config": {"backend": "tvm"}})
+
+
+def test_stats_dir_setting():
+    s = PluginSettings.from_additional_config({"ascend_spec": {"stats_dir": "/tmp/x"}})
+    assert s.stats_dir == "/tmp/x"
+    with pytest.raises(ConfigError, match=r"additional_config.ascend_spec.stats_dir must be a folder path"):
+        PluginSettings.from_additional_config({"ascend_spec": {"stats_dir": 3}})
+
+
+def test_stats_file_is_replaced_whole(tmp_path):
+    from ascend_spec.compat.drafter import DrafterStats, StatsFile
+
+    stats = DrafterStats(drafter="ascend_spec", rank=1, graph_calls=3)
+    sink = StatsFile(str(tmp_path / "stats"), stats)
+    sink.write()
+    stats.graph_calls = 7
+    sink.maybe_write()  # within MIN_INTERVAL_S of the last write: skipped
+    path = tmp_path / "stats" / "drafter-rank1.json"
+    assert json.loads(path.read_text())["graph_calls"] == 3
+    sink.write()
+    assert json.loads(path.read_text())["graph_calls"] == 7
+    assert [p.name for p in path.parent.iterdir()] == ["drafter-rank1.json"]
+
+
+@pytest.mark.parametrize("sizes,k,tp,explicit,expected", [
+    ([1, 2, 4, 8], 2, 1, True, [1, 2, 4, 8]),  # no sequence parallelism: anything goes
+    ([1, 2, 4, 8, 16], 2, 4, False, [4, 8, 16]),  # 3 tokens per request: sizes must be multiples of 4
+    ([1, 2, 4, 8], 1, 2, False, [1, 2, 4, 8]),  # 2 tokens per request already split over 2 ranks
+    ([1, 2, 3], 3, 8, False, [2, 4]),  # 4 tokens per request, 8 ranks: multiples of 2
+])
+def test_graph_size_plan(sizes, k, tp, explicit, expected):
+    from ascend_spec.compat.settings import graph_size_plan
+
+    plan = graph_size_plan(sizes, k, tp, explicit)
+    assert plan == expected and all(s * (1 + k) % tp == 0 for s in plan)
+
+
+def test_graph_size_plan_names_the_conflict():
+    from ascend_spec.compat.settings import graph_size_plan
+
+    with pytest.raises(ConfigError, match=r"graph_batch_sizes \[1, 3\]: a graph holds size × \(1 \+ "
+                                          r"num_speculative_tokens=1\) tokens = \[2, 6\], which must be multiples "
+                                          r"of the tensor-parallel size 4 .* multiples of 2"):
+        graph_size_plan([1, 2, 3, 4], 1, 4, explicit=True)

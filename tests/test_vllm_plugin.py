@@ -65,7 +65,8 @@ CONFIGS = [
     {"name": "vllm_k1", "drafter": "vllm", "k": 1, **SHORT},
     {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **SHORT},
     {"name": "vllm_k2", "drafter": "vllm", "k": 2, **SHORT},
-    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": STATS, **SHORT},
+    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {**STATS, "stats_dir": "STATS_DIR"},
+     **SHORT},
     {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **SHORT},
     {"name": "ours_k2_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH, "ascend": STATS, **SHORT},
     {"name": "ours_k1_async", "drafter": "ours", "k": 1, "async": True, "graph": GRAPH, **SHORT},
@@ -84,6 +85,7 @@ CONFIGS = [
      "break_api": "EagleProposer.prepare_inputs_padded", "max_tokens": 4},
 ]
 
+ENGINE_LOG: dict = {}  # the harness process's output and the stats folder, filled by the runs fixture
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "spec_decode_num_accepted_tokens_per_pos")
 
@@ -92,7 +94,7 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 def runs(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("vllm_runs")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
-    cfg.write_text(json.dumps(CONFIGS))
+    cfg.write_text(json.dumps(CONFIGS).replace("STATS_DIR", str(tmp / "stats")))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_PLUGINS", None)  # the plugin must load through its entry point
     t0 = time.time()
@@ -103,6 +105,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{tail}"
     results = {r["name"]: r for r in json.loads(out.read_text())}
     print(f"\n{len(results)} vLLM engine runs in {time.time() - t0:.0f} s")
+    ENGINE_LOG["text"] = log.read_text()
+    ENGINE_LOG["stats_dir"] = tmp / "stats"
     for r in results.values():
         d = (r.get("drafter") or [{}])[0]
         print(f"  {r['name']:16s} start {r.get('startup_seconds', 0):5.1f} s  generate {sum(r.get('gen_seconds', [0])):5.1f}"
@@ -221,3 +225,20 @@ def test_missing_vllm_api_is_one_clear_error(runs):
     first = err.splitlines()[0]
     assert first.startswith("VllmApiMissing: ascend_spec vLLM plugin"), err
     assert "EagleProposer.prepare_inputs_padded" in err and "tools/upgrade_check.py" in err, err
+
+
+def test_engine_log_is_clean_and_says_what_ran(runs):
+    """One INFO line per drafter start (backend, buckets, weights shared) and no ignored exception: vLLM-CPU's
+    oneDNN handle destructors used to fire inside our FakeTensor tracing ("Exception ignored in
+    CPUDNNLGEMMHandler.__del__ ... convert all Tensors to FakeTensors") and leak the handle."""
+    log = ENGINE_LOG["text"]
+    assert "Exception ignored" not in log and "CPUDNNLGEMMHandler" not in log
+    starts = [line for line in log.splitlines() if "ascend_spec drafter rank 0/1: backend inductor" in line]
+    assert starts and all("weights shared with vLLM (drafter owns 0.0 MiB" in line for line in starts), starts[:2]
+
+
+def test_stats_file_per_rank(runs):
+    stats = json.loads((ENGINE_LOG["stats_dir"] / "drafter-rank0.json").read_text())
+    assert stats["drafter"] == "ascend_spec" and stats["rank"] == 0 and stats["backend"] == "inductor"
+    assert stats["graph_calls"] == ok(runs, "ours_k2")["drafter"][0]["graph_calls"] > 0
+    assert stats["weights_owned_bytes"] == 0 and stats["fallbacks_by_reason"] == {}

@@ -4,7 +4,8 @@
 Times ``MoE.forward`` (gate + grouped top-k routing + routed experts + shared expert) on ``x [T, D]`` for each
 number of routed experts E, top-k and token count T, for the routed formulation(s) asked for:
 
-- ``--strategy auto`` (default): what the model runs, ``gather`` when ``T·k <= E`` else ``dense``;
+- ``--strategy auto`` (default): what the model runs (``graph.moe.pick_strategy``: compiled, gather when
+  ``T·k <= 8E``; eager, gather when ``4·T·k <= E``; else dense);
 - ``--strategy gather`` / ``dense``: pin one formulation;
 - ``--strategy all``: both formulations, one row each, plus a summary table with one column per strategy and
   the winner per shape, to see where the ``auto`` switch-over should be.
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     print("- compiled: ONE torch.compile(moe, fullgraph=True, dynamic=False) per (E, top-k, strategy); it "
           "specialises per T (one graph per token count, built and warmed before timing); "
           "`compile s` = first call at that T (Dynamo + Inductor, may hit Inductor's on-disk cache)")
-    print("- auto: gather if T·k <= E else dense\n")
+    print("- auto (eager→compiled pick): gather if 4·T·k <= E (eager) / T·k <= 8E (compiled), else dense\n")
     print("| E | top-k | tokens | strategy | eager ms | compiled ms | speed-up | max\\|diff\\| | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
     sys.stdout.flush()
@@ -159,17 +160,18 @@ def main(argv: list[str] | None = None) -> int:
                     fns[("eager", s)] = lambda m=eager[s]: m(x)
                     fns[("compiled", s)] = lambda m=compiled[s]: m(x)
                 med = interleaved_medians(fns, args.repeats)
-                picked = pick_strategy(t, k, e)
+                picked = pick_strategy(t, k, e, compiled=True)
+                picked_eager = pick_strategy(t, k, e, compiled=False)
                 for s in strategies:
                     te, tc = med[("eager", s)], med[("compiled", s)]
-                    label = f"auto→{picked}" if s == "auto" else s
+                    label = f"auto→{picked_eager}/{picked}" if s == "auto" else s
                     print(f"| {e} | {k} | {t} | {label} | {te * 1e3:.3f} | {tc * 1e3:.3f} | {te / tc:.2f}x "
                           f"| {diffs[s]:.2e} | {compile_s[s]:.1f} |")
                 sys.stdout.flush()
                 summary.append((e, k, t, picked, med))
 
     if args.strategy == "all":
-        print("\n## gather vs dense (ms; `winner` per mode, `auto` = what T·k <= E picks)\n")
+        print("\n## gather vs dense (ms; `winner` per mode, `auto` = the compiled pick, T·k <= 8E)\n")
         print("| E | top-k | tokens | T·k | auto | eager gather | eager dense | eager winner "
               "| compiled gather | compiled dense | compiled winner | auto right? |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
