@@ -156,17 +156,19 @@ def build_adapter_class(base: type) -> type:
         def load_model(self, target_model: Any, *args: Any, **kwargs: Any) -> None:
             # vLLM's own load first: it registers the draft attention layer, so vLLM allocates its KV cache.
             call_with_supported(super().load_model, target_model, *args, **kwargs)
+            from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                          tensor_model_parallel_all_reduce)
+
+            self._ascend_tp = get_tensor_model_parallel_world_size()
+            self.ascend_stats.rank = get_tensor_model_parallel_rank()
+            if self.ascend_settings.stats_dir:  # also with vLLM's drafter (enabled: false), to compare the two
+                self._ascend_stats_file = StatsFile(self.ascend_settings.stats_dir, self.ascend_stats)
             if not self.ascend_enabled:
                 return
             raise_if_missing(probe_runner(self.runner), "model runner state")
             logger.info("ascend_spec: vLLM API shapes in use: %s", detected_drift(self.runner))
             # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
             # shares): no checkpoint file is read, no weight is copied.
-            from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                                          tensor_model_parallel_all_reduce)
-
-            self._ascend_tp = get_tensor_model_parallel_world_size()
-            self.ascend_stats.rank = get_tensor_model_parallel_rank()
             self._ascend_model = mtp_model_on_vllm(self.model, config_from_vllm(self.vllm_config), self._ascend_tp,
                                                    tensor_model_parallel_all_reduce, self.device)
             self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
@@ -217,8 +219,7 @@ def build_adapter_class(base: type) -> type:
             logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
                         "weights shared with vLLM (drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
                         backend.name, sizes, 1 + k, st.warmup_seconds, st.weights_owned_bytes / 2**20)
-            if s.stats_dir:
-                self._ascend_stats_file = StatsFile(s.stats_dir, st)
+            if self._ascend_stats_file is not None:
                 self._ascend_stats_file.write()
 
         def _bind_cache(self) -> None:

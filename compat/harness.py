@@ -6,7 +6,7 @@
 engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
 
 ``name``; ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
-(``additional_config={"ascend_spec": {...}}``); ``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
+(``additional_config={"ascend_spec": {...}}``; with ``vllm``, an ``ascend`` block only records stats); ``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
 below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM`` kwargs, e.g.
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
@@ -151,10 +151,11 @@ def live_tensor_bytes() -> int:
         if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # FakeTensors left by tracing, storage-less subclasses
                 continue
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            if ptr and ptr not in seen:
+                seen.add(ptr)
                 total += storage.nbytes()
     if frozen:
         gc.freeze()
@@ -185,6 +186,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
     if kind == "ours":
         kw["additional_config"] = {"ascend_spec": {"enabled": True, **cfg.get("ascend", {})},
                                    "torchair_graph_config": cfg.get("graph", {})}
+    elif kind == "vllm" and cfg.get("ascend"):  # vLLM's drafter, with our adapter only recording (stats_dir)
+        kw["additional_config"] = {"ascend_spec": {**cfg["ascend"], "enabled": False}}
     if not cfg.get("async", False):
         kw.setdefault("async_scheduling", False)
     _FORCE_ASYNC["on"] = bool(cfg.get("async", False))

@@ -53,3 +53,23 @@ def moe_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
     return {**{name: write_checkpoint(root / name, name) for name in PRESETS},
             "bundled-moe": moe_from_bundled(root / "bundled-moe")}
+
+
+def generate_without_recompiles(engine, prompts, max_tokens):
+    """Generate under ``fail_on_recompile``, recording the batch size of every step: (stats, batch sizes seen)."""
+    from ascend_spec.sampling import SamplingParams
+
+    seen: set[int] = set()
+    step = engine._step
+
+    def tracking(running, *args):
+        seen.add(len(running))
+        return step(running, *args)
+
+    engine._step = tracking
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _, stats, _ = engine.generate(prompts, SamplingParams(), max_tokens)
+    finally:
+        del engine._step
+    return stats, seen

@@ -14,6 +14,8 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
+from .conftest import generate_without_recompiles
+
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
          "    return", "raise ValueError("]
@@ -97,19 +99,7 @@ def test_zero_recompiles_over_1000_steps(bundled_dir, inductor_engine):
     base = [tok.encode(t) for t in TEXTS]
     prompts = [base[i % len(base)] for i in range(260)]
     max_tokens = [rng.randint(1, 70) for _ in prompts]
-    seen_batches = set()
-    step = inductor_engine._step
-
-    def tracking(running, *args):
-        seen_batches.add(len(running))
-        return step(running, *args)
-
-    inductor_engine._step = tracking
-    try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            _, stats, _ = inductor_engine.generate(prompts, SamplingParams(), max_tokens)
-    finally:
-        del inductor_engine._step
+    stats, seen_batches = generate_without_recompiles(inductor_engine, prompts, max_tokens)
     assert stats.num_steps >= 1000, stats.num_steps
     assert seen_batches == {1, 2, 3, 4}
     assert stats.recompiles_after_warmup == 0

@@ -11,6 +11,8 @@ from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 
+from .conftest import generate_without_recompiles
+
 # The bundled trained model made MoE + YaRN (dense layer 0, MoE layer 1 and MoE MTP layer): drafts get accepted.
 PRESET = "bundled-moe"
 SIZES = (1, 2, 4)
@@ -84,19 +86,7 @@ def test_zero_recompiles_over_1000_steps(inductor_engine):
     rng = random.Random(1)
     prompts = _prompts(300, seed=2)  # drafts get accepted: ~1,400 steps for ~11,000 tokens
     max_tokens = [rng.randint(1, 70) for _ in prompts]
-    seen = set()
-    step = inductor_engine._step
-
-    def tracking(running, *args):
-        seen.add(len(running))
-        return step(running, *args)
-
-    inductor_engine._step = tracking
-    try:
-        with torch.compiler.set_stance("fail_on_recompile"):
-            _, stats, _ = inductor_engine.generate(prompts, SamplingParams(), max_tokens)
-    finally:
-        del inductor_engine._step
+    stats, seen = generate_without_recompiles(inductor_engine, prompts, max_tokens)
     assert stats.num_steps >= 1000, stats.num_steps
     assert seen == {1, 2, 3, 4}
     assert stats.recompiles_after_warmup == 0

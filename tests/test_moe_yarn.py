@@ -1,6 +1,5 @@
 """Real DeepSeek-V3 features in graph/: MoE routing and experts, YaRN RoPE, parity with HF transformers."""
 import dataclasses
-import json
 
 import pytest
 import torch

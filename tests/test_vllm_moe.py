@@ -37,6 +37,10 @@ CONFIGS = [
     {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **RUN},
     {"name": "vllm_k2", "drafter": "vllm", "k": 2, **RUN},
     {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **RUN},
+    {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **RUN},
+    {"name": "ours_k2_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH, **RUN},
+    {"name": "ours_k2_unpadded", "drafter": "ours", "k": 2, "graph": GRAPH,
+     "spec": {"disable_padded_drafter_batch": True}, **RUN},
 ]
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "spec_decode_num_accepted_tokens_per_pos")
@@ -80,16 +84,20 @@ def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str) -> None:
             assert len(a) == len(b), f"{what}: prompt {p}: {len(b)} tokens, reference {len(a)}"
 
 
-@pytest.mark.parametrize("name", ["vllm_k1", "ours_k1", "vllm_k2", "ours_k2"])
+@pytest.mark.parametrize("name", ["vllm_k1", "ours_k1", "vllm_k2", "ours_k2", "vllm_k2_async", "ours_k2_async",
+                                  "ours_k2_unpadded"])
 def test_spec_equals_no_spec(runs, name):
     assert_same_or_tie(ok(runs, "none"), ok(runs, name)["tokens"], f"{name} vs vLLM no-spec")
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_ours_drafts_like_vllm(runs, k):
-    ours, theirs = ok(runs, f"ours_k{k}"), ok(runs, f"vllm_k{k}")
+@pytest.mark.parametrize("ours_name,theirs_name", [("ours_k1", "vllm_k1"), ("ours_k2", "vllm_k2"),
+                                                   ("ours_k2_async", "vllm_k2_async")])
+def test_ours_drafts_like_vllm(runs, ours_name, theirs_name):
+    ours, theirs = ok(runs, ours_name), ok(runs, theirs_name)
     (stats,) = ours["drafter"]
     assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats
+    assert stats["weights_owned_bytes"] == 0, stats  # drafting on vLLM's MoE weights, in place
+    assert ours["async_scheduling"] is theirs["async_scheduling"] is ("async" in ours_name)
     assert ours["tokens"] == theirs["tokens"]
     assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
     assert {c: ours["metrics"][c] for c in COUNTERS} == {c: theirs["metrics"][c] for c in COUNTERS}

