@@ -41,7 +41,7 @@ from ascend_spec.torchair_proposer import MtpTorchairProposer
 
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view, draft_layer_names
-from .settings import METHODS, PluginSettings, sequence_parallel_token_multiple
+from .settings import METHODS, PluginSettings
 from .shims import (
     CompatError,
     attn_fields,
@@ -57,7 +57,7 @@ from .shims import (
 )
 
 # Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
-logger = logging.getLogger("vllm.ascend_spec.drafter")
+logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
 
 #: every adapter built in this process (the harness and benchmark read their stats)
 LIVE: list[weakref.ref] = []
@@ -194,10 +194,9 @@ def build_adapter_class(base: type) -> type:
             backend = get_backend(g.effective_backend, self.device, mode=g.mode,
                                   frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
                                   tiling_schedule_optimize=g.tiling_schedule_optimize,
-                                  use_cached_graph=g.use_cached_graph)
+                                  use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1)
             k = self.num_speculative_tokens
-            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k,
-                                  token_multiple=sequence_parallel_token_multiple(self.vllm_config, self._ascend_tp))
+            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
             spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
             self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
                                                backend=backend, batch_sizes=sizes)

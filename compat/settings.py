@@ -76,10 +76,10 @@ def graph_size_plan(sizes: list[int], num_speculative_tokens: int, token_multipl
                     explicit: bool = True) -> list[int]:
     """Buckets whose graphs hold ``size × (1 + K)`` tokens, each a multiple of ``token_multiple``.
 
-    ``token_multiple`` is the tensor-parallel size where the host splits tokens across ranks (sequence parallel:
-    vllm-ascend's flashcomm, vLLM's sequence-parallel MoE), else 1. Sizes the user chose must meet it (one error
-    naming the values, the "Can't determine cudagraph shapes ... multiple of" class of start-up failure);
-    default sizes are rounded up to the next size that does.
+    ``token_multiple`` is the tensor-parallel size: vllm-ascend's graphs split a graph's tokens across the TP ranks
+    (sequence parallel / flashcomm), and a token count that does not divide stopped engines at start ("Can't
+    determine cudagraph shapes ... multiple of 6 ... and 4"). Sizes the user chose must meet it (one error naming
+    the values); default sizes are rounded up to the next size that does.
     """
     q = 1 + num_speculative_tokens
     if token_multiple <= 1:
@@ -89,13 +89,8 @@ def graph_size_plan(sizes: list[int], num_speculative_tokens: int, token_multipl
         raise ConfigError(
             f"{GRAPH_CONFIG_KEY}.graph_batch_sizes {bad}: a graph holds size × (1 + num_speculative_tokens="
             f"{num_speculative_tokens}) tokens = {[s * q for s in bad]}, which must be multiples of the "
-            f"tensor-parallel size {token_multiple} under sequence parallelism; allowed sizes are multiples of "
+            f"tensor-parallel size {token_multiple}; allowed sizes are multiples of "
             f"{token_multiple // math.gcd(q, token_multiple)}")
     step = token_multiple // math.gcd(q, token_multiple)
     return sorted({-(-s // step) * step for s in sizes})
 
-
-def sequence_parallel_token_multiple(vllm_config: Any, tp_size: int) -> int:
-    """The TP size when the host splits each batch's tokens across ranks (sequence-parallel MoE), else 1."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    return tp_size if tp_size > 1 and getattr(parallel, "use_sequence_parallel_moe", False) else 1

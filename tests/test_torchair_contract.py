@@ -184,6 +184,35 @@ def test_backend_unavailable_without_torch_npu():
     assert "torch_npu" in msg and "CANN" in msg and "inductor" in msg
 
 
+@pytest.mark.network
+def test_patch_for_hcom_exists_in_torchair():
+    """Under tensor parallel the backend calls ``torchair.patch_for_hcom()`` (collectives → HCOM), as vllm-ascend
+    did: the function must be what torchair's package exports, taking no argument."""
+    import ast
+
+    with zipfile.ZipFile(_download_wheel()) as zf:
+        names = [n for n in zf.namelist() if n.startswith(TORCHAIR_PREFIX) and n.endswith(".py")]
+        init = ast.parse(zf.read(TORCHAIR_PREFIX + "__init__.py"))
+        exported = {a.asname or a.name for node in ast.walk(init) if isinstance(node, ast.ImportFrom)
+                    for a in node.names} | {n.name for n in init.body if isinstance(n, ast.FunctionDef)}
+        defs = [node for n in names for node in ast.walk(ast.parse(zf.read(n)))
+                if isinstance(node, ast.FunctionDef) and node.name == "patch_for_hcom"]
+    assert "patch_for_hcom" in exported
+    assert defs and all(not d.args.args and not d.args.kwonlyargs for d in defs)
+
+
+def test_torchair_backend_patches_hcom_only_under_tp(monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(CompilerConfig=lambda: types.SimpleNamespace(
+        experimental_config=types.SimpleNamespace()), get_npu_backend=lambda compiler_config: "npu",
+        patch_for_hcom=lambda: calls.append("hcom"))
+    monkeypatch.setattr("ascend_spec.graph.backends.torchair._import_torchair", lambda: fake)
+    TorchairBackend(TorchairOptions())
+    assert calls == []
+    TorchairBackend(TorchairOptions(distributed=True))
+    assert calls == ["hcom"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # graph/moe_npu.py: the torch_npu MoE ops it calls, against the wheel's own op schemas.
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autotune", frozen_parameter: bool = True,
                 view_optimize: bool = True, tiling_schedule_optimize: bool = False,
-                use_cached_graph: bool = False) -> Backend:
+                use_cached_graph: bool = False, distributed: bool = False) -> Backend:
     device = torch.device(device)
     resolved = resolve_backend_name(name, device)
     if resolved == "eager":
@@ -67,5 +67,5 @@ def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autot
         return TorchairBackend(TorchairOptions(mode=mode, frozen_parameter=frozen_parameter,
                                                view_optimize=view_optimize,
                                                tiling_schedule_optimize=tiling_schedule_optimize,
-                                               use_cached_graph=use_cached_graph))
+                                               use_cached_graph=use_cached_graph, distributed=distributed))
     raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair']")

@@ -23,6 +23,8 @@ class TorchairOptions:
     view_optimize: bool = True
     tiling_schedule_optimize: bool = False
     use_cached_graph: bool = False
+    #: tensor parallel: collectives (HCCL all-reduce / all-gather) inside the graph
+    distributed: bool = False
 
 
 def compiler_config_settings(opts: TorchairOptions) -> dict[str, Any]:
@@ -63,6 +65,10 @@ class TorchairBackend:
     def __init__(self, opts: TorchairOptions) -> None:
         self.opts = opts
         self._torchair = _import_torchair()
+        if opts.distributed:
+            # Lower torch.distributed collectives in the graph to HCOM ops, as vllm-ascend's torchair mode did
+            # under tensor parallel (verified against the wheel's sources only: tests/test_torchair_contract.py).
+            self._torchair.patch_for_hcom()
         config = apply_settings(self._torchair.CompilerConfig(), compiler_config_settings(opts))
         self._npu_backend = self._torchair.get_npu_backend(compiler_config=config)
         self._config = config
