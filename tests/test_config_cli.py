@@ -1,5 +1,6 @@
 """Configuration validation (vLLM / vllm-ascend keys), YAML + flags, and the CLI's JSON contract."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,28 @@ def test_cli_bad_input_is_one_clear_error(capsys, tmp_path):
     assert code == 2 and "num_speculative_tokens=99" in err
     code, _, err = _run_cli(capsys, "--temperature", "-1", "--backend", "eager")
     assert code == 2 and "temperature" in err
+
+
+def test_cli_logprobs_and_dtype(capsys, moe_ckpts):
+    code, out, _ = _run_cli(capsys, "--model", str(moe_ckpts["bundled-moe"]), "--backend", "eager", "--json",
+                            "--max-tokens", "6", "--logprobs", "3", "--dtype", "bfloat16", "--prompt", "def f(x):")
+    assert code == 0
+    result = json.loads(out)
+    assert result["dtype"] == "bfloat16"
+    (o,) = result["outputs"]
+    assert len(o["logprobs"]) == len(o["token_ids"]) == 6
+    for token, entry in zip(o["token_ids"], o["logprobs"]):
+        lps = {int(t): v for t, v in entry.items()}
+        assert token in lps and 3 <= len(lps) <= 4 and all(v <= 0 for v in lps.values())
+        assert lps[token] == max(lps.values())  # greedy: the sampled token is the top one
+
+
+def test_cli_inspect_and_bad_dtype(capsys, tmp_path):
+    (tmp_path / "config.json").write_text((Path(__file__).parent / "data" / "deepseek-v3-config.json").read_text())
+    assert main(["inspect", "--model", str(tmp_path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert round(info["parameters"]["target"] / 1e9, 1) == 671.0 and round(info["parameters"]["mtp"] / 1e9, 1) == 11.6
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--dtype", "float64"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--dtype" in err and "'float64'" in err and "bfloat16" in err

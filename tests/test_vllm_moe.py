@@ -113,5 +113,16 @@ def test_reference_engine_equals_vllm(runs, moe_ckpts, k):
         max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=k) if k else None,
         graph=TorchairGraphConfig(enabled=False, backend="eager")))
     eng.eos_token_id = None  # the harness's vLLM runs ignore EOS
-    outs = eng.generate(ref["prompt_token_ids"], SamplingParams(), RUN["max_tokens"])[0]
+    outs = eng.generate(ref["prompt_token_ids"], SamplingParams(logprobs=2), RUN["max_tokens"])[0]
     assert_same_or_tie(ref, [o.token_ids for o in outs], f"ours K={k} vs vLLM no-spec")
+    # --logprobs N means what it means in vLLM: the top-N (plus the sampled token) of each generated position.
+    worst = 0.0
+    for ours_lp, theirs_lp, a, b in zip((o.logprobs for o in outs), ref["logprobs"], ref["tokens"],
+                                        (o.token_ids for o in outs)):
+        for i, (mine, theirs) in enumerate(zip(ours_lp, theirs_lp)):
+            if a[: i + 1] != b[: i + 1]:
+                break
+            assert set(mine) == {int(t) for t in theirs}, (i, mine, theirs)
+            worst = max(worst, max(abs(mine[int(t)] - v) for t, v in theirs.items()))
+    print(f"K={k}: max |logprob diff| ours vs vLLM = {worst:.2e}")
+    assert worst < 1e-3

@@ -80,6 +80,8 @@ CONFIGS = [
      "llm": {"max_num_seqs": 4}},
     {"name": "vllm_k2_preempt", "drafter": "vllm", "k": 2, **LONG},
     {"name": "ours_k2_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **LONG},
+    # one graph bucket (1 request) for batches of up to 4: steady-state decode runs eagerly, with a warning
+    {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
     # last: deletes a vLLM method for the duration of the run (restored after)
     {"name": "ours_broken_api", "drafter": "ours", "k": 2, "graph": GRAPH,
      "break_api": "EagleProposer.prepare_inputs_padded", "max_tokens": 4},
@@ -242,3 +244,13 @@ def test_stats_file_per_rank(runs):
     assert stats["drafter"] == "ascend_spec" and stats["rank"] == 0 and stats["backend"] == "inductor"
     assert stats["graph_calls"] == ok(runs, "ours_k2")["drafter"][0]["graph_calls"] > 0
     assert stats["weights_owned_bytes"] == 0 and stats["fallbacks_by_reason"] == {}
+
+
+def test_eager_decode_is_counted_and_warned(runs):
+    r = ok(runs, "ours_k1_one_bucket")
+    (stats,) = r["drafter"]
+    assert stats["decode_eager_calls"] > 0 and stats["graph_calls"] > 0, stats  # batches of 1 still replay
+    assert r["tokens"] == ok(runs, "none")["tokens"]
+    warnings = [line for line in ENGINE_LOG["text"].splitlines()
+                if "steady-state decode batch of" in line and "largest graph bucket 1" in line]
+    assert len(warnings) == 1, warnings  # once per drafter, not per step
