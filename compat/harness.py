@@ -6,7 +6,8 @@
 engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
 
 ``name``; ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
-(``additional_config={"ascend_spec": {...}}``; with ``vllm``, an ``ascend`` block only records stats); ``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
+(``additional_config={"ascend_spec": {...}}``; with ``vllm``, an ``ascend`` block only records stats);
+``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
 below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM`` kwargs, e.g.
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);

@@ -11,7 +11,8 @@
 ``ascend_spec`` keys: ``enabled`` (default true once the block is present), ``warmup`` (compile every
 graph bucket when vLLM sets up the KV cache; default true), ``collect_stats`` (record the async
 scheduling conditions seen per step; default false, costs host reads), ``stats_dir`` (a folder: each rank
-writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown). ``torchair_graph_config`` is
+writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown).
+``torchair_graph_config`` is
 validated by :meth:`TorchairGraphConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
 inductor on CUDA or CPU. Without ``graph_batch_sizes`` the buckets are nano-vllm's
 ``[1, 2, 4, 8, 16, ...]`` up to ``min(max_num_seqs, 16)``; bigger batches run the same draft eagerly.

@@ -134,7 +134,8 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     return q.to(torch.float8_e4m3fn).contiguous(), scale_inv
 
 
-def hf_state_dict(model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: torch.nn.Module, cfg: ModelConfig,
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our parameters under DeepSeek-V3's HF names (experts unstacked, the MTP layer's shared copies written)."""
     slots, aliases = checkpoint_layout(model, cfg)
     params = dict(model.named_parameters())

@@ -138,7 +138,7 @@ class MoE(nn.Module):
             from .moe_npu import routed_experts_npu
 
             c = self.cfg
-            out = routed_experts_npu(flat, self.gate.weight, self.gate.e_score_correction_bias, w13, w2,
+            out = routed_experts_npu(flat, self.gate.router_logits(flat), self.gate.e_score_correction_bias, w13, w2,
                                      top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
                                      routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
         else:

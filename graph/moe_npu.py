@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 
 class NpuCall(NamedTuple):
@@ -78,10 +77,10 @@ def _check_gating_limits(num_experts: int, top_k: int, n_group: int, topk_group:
                          f"1 <= top_k <= E / n_group * topk_group")
 
 
-def routed_experts_npu(x: torch.Tensor, gate_weight: torch.Tensor, e_score_correction_bias: torch.Tensor,
+def routed_experts_npu(x: torch.Tensor, router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, *, top_k: int, n_group: int, topk_group: int,
                        routed_scaling_factor: float, norm_topk_prob: bool) -> torch.Tensor:
-    """x [T, D] → Σ_k w_k · expert_k(x) [T, D] in x's dtype (shared experts excluded)."""
+    """x [T, D], fp32 router logits [T, E] → Σ_k w_k · expert_k(x) [T, D] in x's dtype (shared experts excluded)."""
     import torch_npu  # needs CANN; never at module import
 
     t, _ = x.shape
@@ -89,8 +88,8 @@ def routed_experts_npu(x: torch.Tensor, gate_weight: torch.Tensor, e_score_corre
     _check_gating_limits(num_experts, top_k, n_group, topk_group)
     x = x.contiguous()
 
-    # Routing in fp32, like the reference: the op wants bias in x's dtype, and bf16 logits would break near-ties.
-    logits = F.linear(x.float(), gate_weight.float())  # [T, E]
+    # Routing in fp32, like the reference: bf16 logits would break near-ties.
+    logits = router_logits.float()  # [T, E]
     # norm_type=1: sigmoid; group_select_mode=1: group score = sum of its top-2 biased scores; renorm=0 is the
     # only supported value ("norm, then top-k"). With sigmoid the op always renormalises its weights
     # (y / (Σy + eps) · scale; vllm-ascend refuses "sigmoid without renorm" for this op), so without

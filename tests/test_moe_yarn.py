@@ -220,7 +220,8 @@ def _hf(**changes):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"rope_scaling": {"type": "dynamic"}}, r"rope_scaling.type='dynamic' is not supported; allowed: \['yarn', 'deepseek_yarn'\]"),
+    ({"rope_scaling": {"type": "dynamic"}},
+     r"rope_scaling.type='dynamic' is not supported; allowed: \['yarn', 'deepseek_yarn'\]"),
     ({"rope_scaling": {"type": "longrope"}}, "rope_scaling.type='longrope'"),
     ({"quantization_config": {"quant_method": "awq"}}, r"quant_method='awq' is not supported; allowed: \['fp8'\]"),
     ({"n_group": 3}, "n_routed_experts=16 is not divisible by n_group=3"),

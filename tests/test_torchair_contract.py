@@ -408,7 +408,8 @@ def test_routed_experts_npu_with_fake_torch_npu(monkeypatch, num_tokens, norm_to
     calls: list = []
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
     x, gate, bias, w13, w2 = _moe_inputs(num_tokens, torch.float32)
-    got = moe_npu.routed_experts_npu(x, gate, bias, w13, w2, norm_topk_prob=norm_topk_prob, **MOE_CFG)
+    got = moe_npu.routed_experts_npu(x, x.float() @ gate.float().T, bias, w13, w2, norm_topk_prob=norm_topk_prob,
+                                     **MOE_CFG)
 
     order = ["npu_moe_gating_top_k", "npu_moe_init_routing", "npu_moe_compute_expert_tokens", "npu_grouped_matmul",
              "npu_swiglu", "npu_grouped_matmul", "npu_moe_finalize_routing"]
@@ -430,7 +431,8 @@ def test_routed_experts_npu_rejects_unsupported_gating(monkeypatch, bad):
     calls: list = []
     monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu(calls))
     with pytest.raises(ValueError, match="npu_moe_gating_top_k"):
-        moe_npu.routed_experts_npu(*_moe_inputs(2, torch.float32), norm_topk_prob=True, **{**MOE_CFG, **bad})
+        x, gate, bias, w13, w2 = _moe_inputs(2, torch.float32)
+        moe_npu.routed_experts_npu(x, x @ gate.T, bias, w13, w2, norm_topk_prob=True, **{**MOE_CFG, **bad})
     assert calls == []
 
 
@@ -456,7 +458,7 @@ def test_routed_experts_npu_parity_on_npu(backend, num_tokens):
     x, gate, bias, w13, w2 = _moe_inputs(num_tokens, torch.bfloat16, "npu", d=256, inter=128, experts=256)
 
     def fn(x, gate, bias, w13, w2):
-        return moe_npu.routed_experts_npu(x, gate, bias, w13, w2, **cfg)
+        return moe_npu.routed_experts_npu(x, x.float() @ gate.float().T, bias, w13, w2, **cfg)
 
     if backend == "torchair":
         fn = TorchairBackend(TorchairOptions()).compile(fn, f"moe_npu_bs{num_tokens}")
