@@ -204,13 +204,13 @@ def build_adapter_class(base: type) -> type:
             self.ascend_stats.buckets = list(sizes)
             self.ascend_stats.backend = backend.name
             st = self.ascend_stats
+            # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's own
+            # lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their __del__
+            # (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it fails
+            # ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free them now,
+            # before any tracing (warm-up, or the first draft without it).
+            gc.collect()
             if s.warmup:
-                # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's
-                # own lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their
-                # __del__ (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it
-                # fails ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free
-                # them now, outside tracing.
-                gc.collect()
                 t0 = time.perf_counter()
                 with torch.inference_mode():
                     self._ascend.warmup(progress=False)
