@@ -91,3 +91,13 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
     print(f"{what}: ours {a}, vLLM's {b}")
     for c in SPEC_COUNTERS[:3]:
         assert abs(a[c] - b[c]) <= max(2, 0.02 * b[c]), (what, c, a, b)
+
+
+def npu_available() -> bool:
+    """An Ascend NPU with torch_npu and CANN (never installed in CI: importing torch_npu needs CANN)."""
+    try:
+        import torch_npu  # noqa: F401
+
+        return torch.npu.is_available()
+    except Exception:
+        return False

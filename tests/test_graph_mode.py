@@ -14,7 +14,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import generate_without_recompiles
+from .conftest import generate_without_recompiles, npu_available
 
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
@@ -142,17 +142,8 @@ def test_cuda_reduce_overhead_parity(bundled_dir):
     assert stats.recompiles_after_warmup == 0
 
 
-def _npu_available() -> bool:
-    try:
-        import torch_npu  # noqa: F401
-
-        return torch.npu.is_available()
-    except Exception:
-        return False
-
-
 @pytest.mark.npu
-@pytest.mark.skipif(not _npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
+@pytest.mark.skipif(not npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
 @pytest.mark.parametrize("use_cached_graph", [False, True])
 def test_npu_torchair_parity(bundled_dir, use_cached_graph):
     cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))

@@ -38,6 +38,8 @@ from ascend_spec.graph.backends.torchair import (
     compiler_config_settings,
 )
 
+from .conftest import npu_available
+
 TORCH_NPU_VERSION = "2.14.0"
 #: Newer torch_npu wheels are tagged manylinux_2_28, older ones manylinux_2_17; the config sources are the same.
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64")
@@ -436,18 +438,8 @@ def test_routed_experts_npu_rejects_unsupported_gating(monkeypatch, bad):
     assert calls == []
 
 
-def _npu_available() -> bool:
-    try:
-        import torch
-        import torch_npu  # noqa: F401
-
-        return torch.npu.is_available()
-    except Exception:
-        return False
-
-
 @pytest.mark.npu
-@pytest.mark.skipif(not _npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
+@pytest.mark.skipif(not npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
 @pytest.mark.parametrize("backend", ["eager", "torchair"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_routed_experts_npu_parity_on_npu(backend, num_tokens):
