@@ -7,8 +7,9 @@ EagleProposer)``, so the adapter subclasses the class it replaces. With ``additi
 
 vLLM keeps what it owns: it loads its MTP model (which registers the draft attention layer, so vLLM
 sizes and allocates the draft KV cache), schedules, samples the target and verifies. The adapter
-  * loads our model from the same checkpoint directory and compiles the draft graph per batch bucket
-    (``torchair_graph_config``) when vLLM sets up attention, against a cache of the real shape;
+  * builds our draft model on the weights vLLM loaded (``host_weights``: no file read, no copy, any TP size)
+    and compiles the draft graph per batch bucket (``torchair_graph_config``) when vLLM sets up attention,
+    against a cache of the real shape;
   * drafts into vLLM's draft-layer cache through a layout view (``kv_layout``), with vLLM's block table
     and slot mapping (the draft layer shares the target's KV cache group);
   * translates ``propose``'s flat inputs (``[T]`` tokens, ``[T, D]`` hidden states, ``query_start_loc``)
@@ -17,7 +18,8 @@ sizes and allocates the draft KV cache), schedules, samples the target and verif
   * computes the next tokens itself (``prepare_next_token_ids_padded``) with the backup token at
     ``num_tokens_no_spec - 1``, and builds fresh tensors: vLLM's metadata and host buffers are only read.
 Whatever it cannot draft (dynamic K, probabilistic draft sampling) goes to vLLM's ``propose``, which
-writes the same cache in the same layout.
+writes the same cache in the same layout. Each rank logs one line at start and, with ``stats_dir``, keeps
+``drafter-rank{R}.json`` up to date (:class:`StatsFile`).
 """
 from __future__ import annotations
 
