@@ -61,7 +61,6 @@ class CheckpointFiles:
                 with safe_open(str(path), framework="pt") as f:  # reads the header only
                     self.file_of.update({name: path.name for name in f.keys()})
         self._open: dict[str, object] = {}
-        self.files_opened: set[str] = set()
 
     @property
     def names(self) -> list[str]:
@@ -74,7 +73,6 @@ class CheckpointFiles:
             if not path.is_file():
                 raise WeightLoadError(f"tensor {name!r} is mapped to {fname}, which is not in {self.dir}")
             self._open[fname] = safe_open(str(path), framework="pt")
-            self.files_opened.add(fname)
         return self._open[fname]
 
     def shape(self, name: str) -> tuple[int, ...]:
