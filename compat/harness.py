@@ -39,6 +39,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -140,15 +141,24 @@ def live_tensor_bytes() -> int:
     Weights that vLLM-CPU keeps only inside oneDNN GEMM handles are no Python tensors and are not counted:
     compare two engines of the same checkpoint, not this figure with the checkpoint size.
     """
-    import torch
-
     # vLLM gc.freeze()s what exists after start-up; frozen objects are invisible to gc.get_objects().
     frozen = gc.get_freeze_count()
     gc.unfreeze()
     gc.collect()
+    with warnings.catch_warnings():  # touching every tensor's storage warns for some subclasses; not ours to fix
+        warnings.simplefilter("ignore")
+        total = _sum_storages(gc.get_objects())
+    if frozen:
+        gc.freeze()
+    return total
+
+
+def _sum_storages(objects: list) -> int:
+    import torch
+
     seen: set[int] = set()
     total = 0
-    for obj in gc.get_objects():
+    for obj in objects:
         if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
             try:
                 storage = obj.untyped_storage()
@@ -158,8 +168,6 @@ def live_tensor_bytes() -> int:
             if ptr and ptr not in seen:
                 seen.add(ptr)
                 total += storage.nbytes()
-    if frozen:
-        gc.freeze()
     return total
 
 
