@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-test bench clean
+.PHONY: run test install install-test bench bench-moe bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,14 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed
 	$(PY) tools/bench.py
+
+bench-moe: $(VENV)/.installed
+	$(PY) tools/bench_moe.py --strategy all
+
+# our drafter vs vLLM's in the same engine: dense and MoE + YaRN checkpoints, TP 1 and 2
+bench-vllm: $(VENV)/.installed-test
+	for args in "" "--checkpoint bundled-moe" "--tp 2" "--checkpoint bundled-moe --tp 2"; do \
+		$(PY) tools/bench_vllm.py --sync --max-tokens 64 $$args; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
