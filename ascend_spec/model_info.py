@@ -12,46 +12,14 @@ from pathlib import Path
 
 import torch
 
-from .graph.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from .graph.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from .graph.model import DeepseekV3ForCausalLM
-from .graph.weights import FP8_LINEARS
+from .graph.weights import FP8_LINEARS, parameter_part
 from .models import BUNDLED_MODEL_DIR
 
-FLOAT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                        "float16": torch.float16}
 KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 FP32_PARAMS = ("e_score_correction_bias",)  # held in fp32 whatever the model dtype (MoEGate, hf_state_dict)
 GIB = 2 ** 30
-
-
-def _read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
-    """The raw config.json and its ModelConfig; every way it can be wrong is one ConfigError."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"no config.json in {model_dir}")
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
-    try:
-        return hf, ModelConfig.from_hf_dict(hf)
-    except ConfigError:
-        raise
-    except (TypeError, KeyError, AttributeError) as exc:  # e.g. rope_scaling given as a string
-        raise ConfigError(f"{path}: malformed value ({type(exc).__name__}: {exc})") from exc
-
-
-def _part(name: str, cfg: ModelConfig) -> str:
-    """Which bucket a parameter counts in: embedding, lm_head, target (layers < n, final norm) or mtp."""
-    if name == "model.embed_tokens.weight":
-        return "embedding"
-    if name == "lm_head.weight":
-        return "lm_head"
-    if name.startswith("model.layers."):
-        return "mtp" if int(name.split(".")[2]) >= cfg.num_hidden_layers else "target"
-    return "target"
 
 
 def _scale_blocks(rows: int, cols: int, block: tuple[int, int]) -> int:
@@ -80,7 +48,7 @@ def _param_bytes(name: str, shape: tuple[int, ...], numel: int, dtype: str, bloc
     if dtype == "fp8":
         fp8 = _fp8_bytes(name, shape, block)
         return fp8 if fp8 is not None else 2 * numel  # router, norms, eh_proj, embedding, head: bf16
-    return numel * FLOAT_DTYPES[dtype].itemsize
+    return numel * DTYPES[dtype].itemsize
 
 
 def inspect_model(model_dir: str | Path) -> dict:
@@ -94,17 +62,17 @@ def inspect_model(model_dir: str | Path) -> dict:
     ``weight_scale_inv`` per block (per expert for stacked experts), everything else bf16.
     """
     model_dir = Path(model_dir)
-    hf, cfg = _read_config(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):  # shapes only: no allocation, no weights
         model = DeepseekV3ForCausalLM(cfg)
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
-    dtypes = [*FLOAT_DTYPES, "fp8"]
+    dtypes = [*DTYPES, "fp8"]
 
     counts = {"target": 0, "mtp": 0, "embedding": 0, "lm_head": 0}
     nbytes = {dt: {"target": 0, "mtp": 0} for dt in dtypes}
     inactive = {"target": 0, "mtp": 0}  # routed-expert parameters a token does not touch
     for name, p in model.named_parameters():
-        part, n = _part(name, cfg), p.numel()
+        part, n = parameter_part(name, cfg), p.numel()
         counts[part] += n
         side = "mtp" if part == "mtp" else "target"  # embedding and head belong to the target
         if part in ("embedding", "lm_head"):
@@ -124,10 +92,9 @@ def inspect_model(model_dir: str | Path) -> dict:
                     "n_group": m.n_group, "topk_group": m.topk_group,
                     # Everything but the unchosen routed experts (the whole embedding counts, kept simple).
                     "active_parameters_per_token": {s: counts[s] - inactive[s] for s in ("target", "mtp")}}
-    archs = [a for a in hf.get("architectures", []) if a in SUPPORTED_ARCHITECTURES]
     return {
         "model": str(model_dir),
-        "architecture": archs[0] if archs else None,
+        "architecture": SUPPORTED_ARCHITECTURES[0],  # from_dir accepts no other
         "parameters": {**counts, "total": counts["target"] + counts["mtp"]},
         "layers": {"num_hidden_layers": cfg.num_hidden_layers,
                    "mtp_layers": list(range(cfg.num_hidden_layers, cfg.num_layers_with_mtp)),

@@ -73,13 +73,18 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig | str, seed: int = 0,
             raise ValueError(f"unknown preset {cfg!r}; allowed: {sorted(PRESETS)}")
         cfg = PRESETS[cfg]
     cfg = dataclasses.replace(cfg, torch_dtype=dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model = random_weights(DeepseekV3ForCausalLM(cfg), seed)
-    save_model(model, out, dtype=cfg.dtype, max_shard_bytes=max_shard_bytes, fp8_block=(128, 128) if fp8 else None)
     hf = cfg.to_hf_dict()
     if fp8:
         hf["quantization_config"] = fp8_quantization_config()
+    return _write_folder(out_dir, random_weights(DeepseekV3ForCausalLM(cfg), seed), hf,
+                         max_shard_bytes=max_shard_bytes, fp8_block=(128, 128) if fp8 else None)
+
+
+def _write_folder(out_dir: str | Path, model: DeepseekV3ForCausalLM, hf: dict, **save_kwargs) -> Path:
+    """Weights (``save_model``), ``config.json`` and the bundled tokenizer files into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, out, dtype=model.cfg.dtype, **save_kwargs)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for name in TOKENIZER_FILES:
         if (BUNDLED_MODEL_DIR / name).is_file():
@@ -120,10 +125,4 @@ def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, 
                 p.copy_(trained[name.replace(".shared_experts.", ".")])
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed + 1))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(model, out, dtype=torch.float32)
-    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    for name in TOKENIZER_FILES:
-        shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
-    return out
+    return _write_folder(out_dir, model, cfg.to_hf_dict())

@@ -46,7 +46,8 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rope = rope
-        self._num_heads = h = cfg.num_attention_heads
+        #: heads computed here: all of them, or this rank's share when the projections are tensor-parallel
+        self.num_heads = h = cfg.num_attention_heads
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -62,11 +63,6 @@ class MLAttention(nn.Module):
     #: projection (vLLM's ``fused_qkv_a_proj``), and the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.
     fused_a_proj: nn.Module | None = None
     absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def num_heads(self) -> int:
-        """Heads computed here: all of them, or this rank's share when the projections are tensor-parallel."""
-        return self._num_heads
 
     # -- shared projections ---------------------------------------------------------------------
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -177,16 +177,16 @@ def save_tensors(tensors: dict[str, torch.Tensor], model_dir: str | Path, max_sh
                                                    indent=1))
 
 
-def expert_count_problems(names: list[str], slots: dict[str, Slot]) -> list[str]:
-    """Checkpoint experts beyond the config's ``n_routed_experts``, one line per layer."""
+def expert_count_problems(names: list[str], slots: dict[str, Slot]) -> dict[str, str]:
+    """Checkpoint experts beyond the config's ``n_routed_experts``: experts prefix → one line per layer."""
     beyond: dict[str, int] = {}
     for name in names:
         m = _EXPERT.match(name)
         if m and name not in slots:
             beyond[m.group(1)] = max(beyond.get(m.group(1), -1), int(m.group(2)))
-    problems = []
+    problems = {}
     for prefix, top in sorted(beyond.items()):
         configured = sum(1 for n in slots if n.startswith(prefix + ".") and n.endswith(".down_proj.weight"))
-        problems.append(f"{prefix} holds expert ids up to {top} ({top + 1} experts) but config.json's "
-                        f"n_routed_experts={configured}")
+        problems[prefix] = (f"{prefix} holds expert ids up to {top} ({top + 1} experts) but config.json's "
+                            f"n_routed_experts={configured}")
     return problems

@@ -240,10 +240,22 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """``{model_dir}/config.json``; every way it can be wrong is one :class:`ConfigError`."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in {model_dir}")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        try:
+            hf = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
+        try:
+            return cls.from_hf_dict(hf)
+        except ConfigError:
+            raise
+        except (TypeError, KeyError, AttributeError) as exc:  # e.g. rope_scaling given as a string
+            raise ConfigError(f"{path}: malformed value ({type(exc).__name__}: {exc})") from exc
 
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         """The HF ``config.json`` that both this project and vLLM's ``DeepseekV3ForCausalLM`` load."""

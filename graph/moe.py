@@ -134,15 +134,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
+        logits, bias = self.gate.router_logits(flat), self.gate.e_score_correction_bias
         if flat.device.type == "npu":  # torch_npu's fused MoE ops (what torchair lowers well)
             from .moe_npu import routed_experts_npu
 
             c = self.cfg
-            out = routed_experts_npu(flat, self.gate.router_logits(flat), self.gate.e_score_correction_bias, w13, w2,
-                                     top_k=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
-                                     routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=c.norm_topk_prob)
+            out = routed_experts_npu(flat, logits, bias, w13, w2, top_k=c.num_experts_per_tok, n_group=c.n_group,
+                                     topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+                                     norm_topk_prob=c.norm_topk_prob)
         else:
-            ids, weights = grouped_topk(self.gate.router_logits(flat), self.gate.e_score_correction_bias, self.cfg)
+            ids, weights = grouped_topk(logits, bias, self.cfg)
             out = routed_experts(flat, ids, weights, w13, w2, self.strategy)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

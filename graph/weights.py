@@ -14,7 +14,8 @@ from .config import DTYPES, ConfigError, ModelConfig
 from .layers import RotaryEmbedding
 from .model import DeepseekV3ForCausalLM
 
-__all__ = ["WeightLoadError", "load_model", "save_model", "resolve_dtype", "mtp_parameter"]
+__all__ = ["WeightLoadError", "load_model", "save_model", "resolve_dtype", "mtp_parameter",
+           "parameter_part"]
 
 Part = Literal["all", "mtp"]
 #: Linear weights that DeepSeek-V3's fp8 checkpoints store quantised (router, norms, embedding, head stay bf16).
@@ -36,13 +37,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig) -> torch.dt
     return DTYPES[dtype]
 
 
+def parameter_part(name: str, cfg: ModelConfig) -> str:
+    """Where a parameter belongs: ``embedding``, ``lm_head``, ``mtp`` (layers from ``num_hidden_layers`` on) or
+    ``target`` (the other layers and the final norm)."""
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if name.startswith("model.layers."):
+        return "mtp" if int(name.split(".")[2]) >= cfg.num_hidden_layers else "target"
+    return "target"
+
+
 def mtp_parameter(name: str, cfg: ModelConfig) -> bool:
     """Parameters an MTP-only load materialises: the MTP layer(s), plus the embedding and head they share."""
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return True
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2]) >= cfg.num_hidden_layers
-    return False
+    return parameter_part(name, cfg) != "target"
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
@@ -84,13 +93,13 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
 def _raise_on_problems(model_dir: Path, files: CheckpointFiles, slots: dict[str, Slot],
                        aliases: dict[str, tuple[int, ...]], wanted: dict[str, Slot]) -> None:
     present = set(files.names)
-    problems = expert_count_problems(files.names, slots)
-    reported_experts = {p.split(" ")[0] for p in problems}
+    surplus_experts = expert_count_problems(files.names, slots)  # reported once per layer, not per tensor
+    problems = list(surplus_experts.values())
     for name in files.names:
         base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name
         if base in slots or base in aliases:
             continue
-        if any(name.startswith(prefix + ".") for prefix in reported_experts):
+        if any(name.startswith(prefix + ".") for prefix in surplus_experts):
             continue
         problems.append(f"unexpected tensor {name!r} in {files.file_of[name]}")
     problems += [f"missing tensor {name!r} (expected shape {list(slot.shape)})"
