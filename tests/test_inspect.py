@@ -2,7 +2,6 @@
 import argparse
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -48,11 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def test_deepseek_v3_counts(dsv3_dir: Path):
-    inspect_model(dsv3_dir)  # first call pays a one-time torch import (meta-device arange) of ~1-2 s
-    start = time.perf_counter()
+def test_deepseek_v3_counts(dsv3_dir: Path, monkeypatch):
+    # Sizing reads config.json only: no checkpoint is opened, and nothing but config.json is there to open.
+    import ascend_spec.graph.checkpoint as checkpoint
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("inspect opened a checkpoint file")
+
+    monkeypatch.setattr(checkpoint, "safe_open", no_weights)
     info = inspect_model(dsv3_dir)
-    assert time.perf_counter() - start < 2.0
     assert list(dsv3_dir.iterdir()) == [dsv3_dir / "config.json"]
 
     p = info["parameters"]
