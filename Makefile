@@ -30,8 +30,10 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
+# tokens/s with and without speculation, K = 0..3 and adaptive, batch 1-8: Markdown + plots into docs/bench
 bench: $(VENV)/.installed
-	$(PY) tools/bench.py
+	$(PIP) install -q -e ".[bench]"
+	$(PY) tools/bench.py --out docs/bench
 
 bench-moe: $(VENV)/.installed
 	$(PY) tools/bench_moe.py --strategy all

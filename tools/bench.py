@@ -146,7 +146,8 @@ def end_to_end(model: DeepseekV3ForCausalLM, ks: list[int], batches: list[int], 
             rows.append({
                 "batch": b, "contender": name, "tokens_per_s": rate, "speedup": speedup,
                 "tokens_per_request_step": per_step, "efficiency": speedup / per_step,
-                "host_us_per_step": 1e6 * statistics.median(s.host_seconds / s.num_steps for s, _, _ in rs),
+                "host_us_per_step": 1e6 * statistics.median(s.host_seconds / max(1, sum(s.steps_per_k.values()))
+                                                            for s, _, _ in rs),
                 "acceptance_per_position": metrics.acceptance_per_position if metrics else [],
                 "steps_per_k": dict(stats.steps_per_k), "k_by_bucket": dict(stats.k_by_bucket),
                 "same_tokens_as_no_spec": tokens == reference,
