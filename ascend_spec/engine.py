@@ -193,6 +193,8 @@ class Engine:
         #: measured at warm-up when adaptive_k: seconds of one fused step per bucket and K
         self.step_seconds: dict[int, dict[int, float]] = {}
         self.acceptance = AcceptanceTracker.empty(self.k)
+        #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
+        self.force_k: int | None = None
         self._steps_at_k: dict[int, int] = {}
         self._batch: DeviceBatch | None = None
         self._pending_drafts: dict[int, list[int]] = {}  # drafts brought to the host when leaving the fused path
@@ -308,6 +310,8 @@ class Engine:
 
     # -- fused path: one graph per step over device-side state ------------------------------------
     def _k_for(self, bucket: int) -> int:
+        if self.force_k is not None:
+            return self.force_k
         if not self.cfg.adaptive_k or bucket not in self.step_seconds:
             return self.k
         k = choose_k(self.step_seconds[bucket], self.acceptance.rates())
