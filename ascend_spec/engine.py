@@ -197,7 +197,8 @@ class Engine:
         self.force_k: int | None = None
         self._steps_at_k: dict[int, int] = {}
         self._batch: DeviceBatch | None = None
-        self._pending_drafts: dict[int, list[int]] = {}  # drafts brought to the host when leaving the fused path
+        self._pending_drafts: dict[int, list[int]] = {}
+        self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}  # drafts brought to the host when leaving the fused path
         self._warm = False
         self._compiles_at_warmup = 0
 
@@ -377,9 +378,12 @@ class Engine:
     def _replay(self, batch: DeviceBatch, context: int, noise: spec_decode.RejectionNoise | None
                 ) -> tuple[torch.Tensor, ...]:
         st = batch.sampling
-        if noise is None:
-            noise = spec_decode.RejectionNoise(torch.zeros(batch.bucket, batch.k, device=self.device),
-                                               torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
+        if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
+            noise = self._unused_noise.get((batch.bucket, batch.k))
+            if noise is None:
+                noise = self._unused_noise[(batch.bucket, batch.k)] = spec_decode.RejectionNoise(
+                    torch.zeros(batch.bucket, batch.k, device=self.device),
+                    torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
         graph = self.spec_graphs.get(StepKey(batch.bucket, batch.k, batch.mode, context))
         with suspended_if_compiled(self.backend):
             return graph(batch.input_ids, batch.start, batch.num_draft,
