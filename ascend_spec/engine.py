@@ -217,6 +217,13 @@ class Engine:
         self._compiles_at_warmup = dynamo_compile_count()
         return times
 
+    def time_step(self, bucket: int, k: int, context: int, repeats: int = 5) -> float:
+        """Median seconds of one fused greedy step (bucket, K, context width) on an inert batch; shapes, not data,
+        set its cost."""
+        batch = self._inert_batch(bucket, k)
+        with torch.no_grad():
+            return time_call(lambda: self._replay(batch, context, None), repeats=repeats)
+
     def _warmup_unfused(self, progress: bool) -> dict[str, dict[int, float]]:
         ex = self._pad_batch(self.target_graph.max_size, 1 + self.k)
         times = {"target": self.target_graph.warmup(ex, (self.caches.target,), progress=progress)}
@@ -235,8 +242,7 @@ class Engine:
                     self._replay(batch, ctx, None)
                     times.setdefault(f"spec_k{k}_ctx{ctx}", {})[bucket] = time.perf_counter() - start
                 if self.cfg.adaptive_k:
-                    self.step_seconds.setdefault(bucket, {})[k] = time_call(
-                        lambda: self._replay(batch, self.context_sizes[-1], None), repeats=5)
+                    self.step_seconds.setdefault(bucket, {})[k] = self.time_step(bucket, k, self.context_sizes[-1])
             if progress:
                 logger.info("compiled fused steps for batch bucket %d", bucket)
         self._batch = None

@@ -166,6 +166,13 @@ def end_to_end(model: DeepseekV3ForCausalLM, ks: list[int], batches: list[int], 
             r = rows[-1]
             print(f"| {b} | {name} | {rate:.1f} | {speedup:.2f}x | {per_step:.2f} | {r['efficiency']:.2f} | "
                   f"{r['host_us_per_step']:.0f} | {r['same_tokens_as_no_spec']} |", flush=True)
+    if k_max:
+        eng = engines["spec"]
+        for b in batches:
+            contexts = {c: eng.time_step(b, k_max, c, repeats=3 * repeats) for c in eng.context_sizes}
+            rows.append({"batch": b, "contender": "context", "k": k_max, "step_seconds_by_context": contexts})
+            print(f"batch {b}, K={k_max}: step ms by context width " +
+                  ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in contexts.items()), flush=True)
     return rows, compile_s
 
 
@@ -177,6 +184,8 @@ def write_report(out: Path, costs: dict, k_cost: int, rows: list[dict], compile_
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    contexts = [r for r in rows if r["contender"] == "context"]
+    rows = [r for r in rows if r["contender"] != "context"]
     batches = sorted({r["batch"] for r in rows})
     names = list(dict.fromkeys(r["contender"] for r in rows))
 
@@ -239,10 +248,16 @@ def write_report(out: Path, costs: dict, k_cost: int, rows: list[dict], compile_
         lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['tokens_per_request_step']:.2f} | {r['efficiency']:.2f} | {r['host_us_per_step']:.0f} | {kb} | "
                      f"{r['same_tokens_as_no_spec']} |")
+    if contexts:
+        widths = list(contexts[0]["step_seconds_by_context"])
+        lines += ["", f"## Step time by context width (ms, K={contexts[0]['k']}, fused step)", "",
+                  "| batch | " + " | ".join(f"{w} keys" for w in widths) + " |", "|---" * (len(widths) + 1) + "|"]
+        lines += [f"| {c['batch']} | " + " | ".join(f"{c['step_seconds_by_context'][w] * 1e3:.2f}" for w in widths)
+                  + " |" for c in contexts]
     lines += ["", "Warm-up (compile) seconds: " + ", ".join(f"{n} {s:.0f}" for n, s in compile_s.items()), "",
               "![tokens/s](tokens_per_s.png) ![acceptance](acceptance.png) ![breakdown](step_breakdown.png)", ""]
     (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"meta": meta, "step_costs": costs, "end_to_end": rows,
+    (out / "results.json").write_text(json.dumps({"meta": meta, "step_costs": costs, "end_to_end": rows, "context": contexts,
                                                   "compile_seconds": compile_s}, indent=2) + "\n")
 
 
