@@ -319,7 +319,10 @@ class Engine:
 
     # -- generation loop ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 max_tokens: int | list[int], seed: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+                 max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None
+                 ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+        """``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
+        takes the next arrival at once."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -337,17 +340,21 @@ class Engine:
             bad = [t for t in p if not 0 <= t < self.model.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {self.model.cfg.vocab_size})")
+        arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
+        if len(arrivals) != len(prompts) or any(a < 0 for a in arrivals):
+            raise ValueError(f"arrivals: got {len(arrivals)} for {len(prompts)} prompts; allowed: one step >= 0 each")
         if not self._warm and self.backend.name != "eager":
             self.warmup()
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        waiting, running = deque(seqs), []
+        waiting, running = deque(sorted(seqs, key=lambda s: arrivals[s.req_id])), []
         stats = RunStats(backend=self.backend.name)
         metrics = SpecMetrics(self.k) if self.k else None
         compiles_before = dynamo_compile_count()
         start = time.perf_counter()
         while waiting or running:
-            while waiting and len(running) < self.cfg.max_num_seqs:
+            while (waiting and len(running) < self.cfg.max_num_seqs
+                   and (arrivals[waiting[0].req_id] <= stats.num_steps or not running)):
                 need = self._blocks_needed(waiting[0])
                 if need > self.caches.allocator.num_free:
                     break
