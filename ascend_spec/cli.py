@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run dtype (default: the checkpoint's torch_dtype; fp8 checkpoints are dequantised to it)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache pool in blocks of 16 tokens (default: max_num_seqs full-length sequences); "
+                        "blocks are taken as sequences grow, the newest request is preempted when they run out")
     g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="decode without speculation")
@@ -77,7 +80,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         except ValueError:
             raise ConfigError(f"--graph-batch-sizes={args.graph_batch_sizes!r}; allowed: comma-separated ints")
     kwargs = {}
-    for key in ("max_model_len", "max_num_seqs"):
+    for key in ("max_model_len", "max_num_seqs", "kv_blocks"):
         value = getattr(args, key) if getattr(args, key) is not None else data.get(key)
         if value is not None:
             kwargs[key] = value

@@ -136,10 +136,12 @@ class TorchairGraphConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Harness limits. ``speculative`` None means no speculation."""
+    """Harness limits. ``speculative`` None means no speculation. ``kv_blocks``: the KV pool in blocks of 16
+    tokens (block 0 reserved); default room for ``max_num_seqs`` sequences of ``max_model_len``."""
 
     max_model_len: int = 512
     max_num_seqs: int = 16
+    kv_blocks: int | None = None
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
 
@@ -148,6 +150,9 @@ class EngineConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}={value!r}; allowed: an int >= {low}")
+        if self.kv_blocks is not None and (isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
+                                           or self.kv_blocks < 2):
+            raise ConfigError(f"kv_blocks={self.kv_blocks!r}; allowed: an int >= 2 (block 0 is reserved)")
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -162,7 +167,8 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc})") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
-    _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs"))
+    _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs",
+                                  "kv_blocks"))
     for section in ("speculative_config", "additional_config"):
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(f"{path}: {section} must be a mapping of keys, got {data[section]!r}")

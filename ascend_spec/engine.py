@@ -21,13 +21,12 @@ import torch
 
 from . import spec_decode
 from .config import EngineConfig
-from .graph.attention import num_blocks_for
 from .graph.backends import Backend, get_backend
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.config import KV_BLOCK_SIZE
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_target_step
-from .kv_cache import KVCaches
+from .kv_cache import BlockManager, KVCaches
 from .metrics import SpecMetrics
 from .proposer import DraftInputs, MtpProposer
 from .sampling import SamplingParams, SamplingTensors, make_generator, sample
@@ -79,6 +78,7 @@ class RunStats:
     host_syncs: int = 0
     host_sync_events: list[str] = field(default_factory=list)
     recompiles_after_warmup: int = 0
+    preemptions: int = 0
     compile_seconds: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
@@ -122,7 +122,8 @@ class Engine:
         self.spec = cfg.speculative
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.caches = KVCaches.allocate(mcfg, cfg.max_model_len, cfg.max_num_seqs, self.device,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, num_blocks=cfg.kv_blocks)
+        self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len)
         self.backend: Backend = get_backend(
             cfg.graph.effective_backend, self.device, mode=cfg.graph.mode,
             frozen_parameter=cfg.graph.enable_frozen_parameter, view_optimize=cfg.graph.enable_view_optimize,
@@ -164,10 +165,6 @@ class Engine:
                 torch.zeros(b, dtype=torch.long, device=dev)]
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _blocks_needed(self, seq: Sequence) -> int:
-        tokens = min(self.cfg.max_model_len, len(seq.prompt_ids) + seq.max_tokens + self.k + 1)
-        return num_blocks_for(tokens)
-
     def _block_row(self, seq: Sequence) -> list[int]:
         return seq.blocks + [0] * (self.caches.max_blocks_per_seq - len(seq.blocks))
 
@@ -186,12 +183,29 @@ class Engine:
             seq.finish_reason = "max_model_len"
         return seq.finish_reason is not None
 
+    def _make_room(self, running: list[Sequence], waiting: deque[Sequence], stats: RunStats) -> None:
+        """Blocks for every running sequence's next 1 + K tokens; while the pool is short, preempt the newest
+        request (its blocks go back; it waits at the head of the queue and is recomputed, as in vLLM)."""
+        i = 0
+        while i < len(running):
+            if self.blocks.ensure_capacity(running[i].blocks, running[i].num_tokens + self.k):
+                i += 1
+                continue
+            victim = running.pop()
+            self.blocks.free(victim.blocks)
+            victim.draft_ids = []
+            waiting.appendleft(victim)
+            stats.preemptions += 1
+
     # -- prefill (eager, one request at a time, as nano-vllm) ----------------------------------------
     def _prefill(self, seq: Sequence, generator: torch.Generator | None) -> None:
+        """Prefill the prompt, or for a preempted request its prompt and generated tokens (recompute), and sample
+        the next token from the last position."""
         dev = self.device
-        n = len(seq.prompt_ids)
+        tokens = seq.prompt_ids + seq.output_ids
+        n = len(tokens)
         positions = list(range(n))
-        ids = torch.tensor([seq.prompt_ids], dtype=torch.long, device=dev)
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         slots = torch.tensor([self._slots(seq, positions)], dtype=torch.long, device=dev)
         table = torch.tensor([self._block_row(seq)], dtype=torch.long, device=dev)
@@ -203,7 +217,7 @@ class Engine:
         if seq.params.logprobs is not None:
             top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(logits[:, -1:], token.view(1, 1),
                                                                           seq.params.logprobs))
-            seq.logprobs = [_logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first)]
+            seq.logprobs = [*(seq.logprobs or []), _logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first)]
         if self._append(seq, first) or self.proposer is None:
             return
         sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
@@ -355,22 +369,22 @@ class Engine:
         while waiting or running:
             while (waiting and len(running) < self.cfg.max_num_seqs
                    and (arrivals[waiting[0].req_id] <= stats.num_steps or not running)):
-                need = self._blocks_needed(waiting[0])
-                if need > self.caches.allocator.num_free:
+                # room for the prefill and the first verify step (1 + K tokens); more as the sequence grows
+                if not self.blocks.ensure_capacity(waiting[0].blocks, waiting[0].num_tokens + 1 + self.k):
                     break
                 seq = waiting.popleft()
-                seq.blocks = self.caches.allocator.allocate(need)
                 self._prefill(seq, generator)
                 stats.generated_tokens += 1
                 if seq.finish_reason:
-                    self.caches.allocator.free(seq.blocks)
+                    self.blocks.free(seq.blocks)
                 else:
                     running.append(seq)
+            self._make_room(running, waiting, stats)
             if not running:
                 continue
             for seq in self._step(running, generator, stats, metrics):
                 running.remove(seq)
-                self.caches.allocator.free(seq.blocks)
+                self.blocks.free(seq.blocks)
         stats.decode_seconds = time.perf_counter() - start
         if self._warm:
             stats.recompiles_after_warmup = dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
