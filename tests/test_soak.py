@@ -1,6 +1,7 @@
 """Harness soak: many decode steps with random arrivals, prompt lengths and max_tokens, greedy and seeded sampling.
 
-The batch size wanders across every graph bucket. Checked after every round (one ``generate`` call): every KV block
+The batch size wanders across every graph bucket, and the KV pool (``KV_BLOCKS``) holds about a third of what a
+full batch can ask for, so bursts preempt and recompute requests. Checked after every round (one ``generate`` call): every KV block
 is back in the pool, nothing recompiled after warm-up, each greedy request equals its run without speculation;
 at the end, the process RSS is where it was after the first round. ``test_soak_ci`` fits CI; ``test_soak_long``
 (marker ``soak``, excluded by default; ``make soak``) runs 10,000 steps.
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
-from ascend_spec.engine import Engine, load_engine
+from ascend_spec.engine import load_engine
+from ascend_spec.graph.attention import num_blocks_for
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -25,6 +27,7 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 128
 REQUESTS_PER_ROUND = 48
 RSS_TOLERANCE = 0.05
+KV_BLOCKS = 3 * num_blocks_for(MAX_MODEL_LEN) + 1
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
 
 
@@ -34,6 +37,8 @@ class SoakReport:
     requests: int = 0
     greedy_checked: int = 0
     tokens: int = 0
+    preemptions: int = 0
+    total_blocks: int = 0
     batch_sizes: set[int] = field(default_factory=set)
     rss: list[int] = field(default_factory=list)
 
@@ -62,13 +67,13 @@ def _round(rng: random.Random, corpus: list[int]):
 def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> SoakReport:
     graph = TorchairGraphConfig(backend=backend, graph_batch_sizes=BUCKETS)
     spec = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                                                 speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph))
+                                                 speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph,
+                                                 kv_blocks=KV_BLOCKS))
     ref = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False)))
     if backend != "eager":
         spec.warmup(progress=False)
-    total_blocks = spec.caches.allocator.num_free
-    report = SoakReport()
+    report = SoakReport(total_blocks=spec.caches.allocator.num_free)
     rng = random.Random(seed)
     corpus = _corpus(bundled_dir)
     step = spec._step
@@ -87,7 +92,8 @@ def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
             report.steps += stats.num_steps
             report.requests += len(prompts)
             report.tokens += stats.generated_tokens
-            assert spec.caches.allocator.num_free == total_blocks, f"round {rounds}: KV blocks leaked"
+            report.preemptions += stats.preemptions
+            assert spec.caches.allocator.num_free == report.total_blocks, f"round {rounds}: KV blocks leaked"
             assert stats.recompiles_after_warmup == 0, f"round {rounds}: recompiled"
             greedy = [i for i, p in enumerate(params) if p.is_greedy]
             expected, _, _ = ref.generate([prompts[i] for i in greedy], SamplingParams(),
@@ -103,9 +109,11 @@ def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
 
 def _check(report: SoakReport, num_steps: int) -> None:
     print(f"soak: {report.steps} steps, {report.requests} requests ({report.greedy_checked} greedy checked), "
-          f"{report.tokens} tokens, batch sizes {sorted(report.batch_sizes)}, "
+          f"{report.tokens} tokens, batch sizes {sorted(report.batch_sizes)}, {report.preemptions} preemptions, "
+          f"{report.total_blocks} KV blocks all free after every round, "
           f"RSS {report.rss[0] / 2**20:.0f} -> {report.rss[-1] / 2**20:.0f} MiB")
     assert report.steps >= num_steps
+    assert report.preemptions > 0, "the pool never ran short: preemption untested"
     for lo, hi in zip((0,) + BUCKETS, BUCKETS):  # every bucket served at least one batch of its own range
         assert report.batch_sizes & set(range(lo + 1, hi + 1)), (lo, hi, report.batch_sizes)
     assert abs(report.rss[-1] - report.rss[0]) <= RSS_TOLERANCE * report.rss[0], report.rss
