@@ -35,20 +35,13 @@ WAVES = 5
 PER_WAVE = 8
 ABORT_EVERY = 4  # request i of a wave is closed mid-stream when i % ABORT_EVERY == ABORT_EVERY - 1
 ABORT_AFTER_CHUNKS = 2
-START_TIMEOUT_S = 240
+START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 RSS_TOLERANCE = 0.05
 MAX_NUM_SEQS = PER_WAVE
-PROMPTS = [
-    "def read_config(path):\n    with open(path) as f:\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-    "for i in range(10):\n    if i % 2 == 0:\n",
-    "    def __repr__(self):\n        return '%s(%r)' % (self.__class__.__name__,",
-    "try:\n    import json\nexcept ImportError:\n",
-    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
-    "class Node:\n    def __init__(self, value):\n",
-]
+# the harness's prompts (compat.harness.PROMPTS) and two more: one wave of PER_WAVE distinct requests
+EXTRA_PROMPTS = ["def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
+                 "class Node:\n    def __init__(self, value):\n"]
 MAX_TOKENS = [24, 40, 32, 48, 28, 36, 44, 30]
 
 
@@ -228,7 +221,10 @@ def test_serve_concurrent_streams_aborts_bad_requests(servers):
     client = openai.OpenAI(base_url=spec.base_url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     ref_client = openai.OpenAI(base_url=nospec.base_url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
                                max_retries=0)
-    jobs = list(zip(PROMPTS, MAX_TOKENS))
+    from ascend_spec.compat.harness import PROMPTS
+
+    jobs = list(zip(PROMPTS + EXTRA_PROMPTS, MAX_TOKENS))
+    assert len(jobs) == PER_WAVE
     # the no-spec reference, all prompts at once (greedy: the batch does not change the tokens)
     with concurrent.futures.ThreadPoolExecutor(PER_WAVE) as pool:
         reference = list(pool.map(lambda j: _stream(ref_client, model, j[0], j[1], abort=False).token_ids, jobs))
