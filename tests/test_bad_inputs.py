@@ -62,10 +62,11 @@ def write(name: str, text: str) -> Callable[[Path], None]:
 @dataclass(frozen=True)
 class Case:
     id: str
-    #: ``generate`` arguments; ``{ckpt}`` is the case's checkpoint copy, ``{tmp}`` its scratch folder
+    #: ``generate`` arguments; ``{tmp}`` is the case's scratch folder
     argv: tuple[str, ...] = ()
     expect: tuple[str, ...] = ()
-    setup: Callable[[Path], None] | None = None  # damages {ckpt} or writes files into {tmp}
+    files: dict[str, str] = field(default_factory=dict)  # written into {tmp} first
+    damage: Callable[[Path], None] | None = None  # applied to a copy of the bundled checkpoint, then {ckpt}
     plugin: dict | None = None  # instead of the CLI: vLLM's additional_config for PluginSettings
     engine: dict = field(default_factory=dict)  # instead of the CLI: Engine.generate keyword arguments
 
@@ -95,50 +96,50 @@ CLI_CASES = [
     Case("model-missing", ("--model", "{tmp}/nowhere"), ("--model", "nowhere", "no such folder")),
     Case("prompts-file-missing", ("--prompts-file", "{tmp}/none.txt"), ("--prompts-file", "none.txt", "no such file")),
     Case("prompts-file-empty", ("--prompts-file", "{tmp}/empty.txt"), ("empty.txt", "holds no prompt"),
-         setup=lambda d: (d.parent / "empty.txt").write_text("\n  \n")),
+         files={"empty.txt": "\n  \n"}),
     Case("output-folder-missing", ("--output", "{tmp}/no/such/out.json"), ("--output", "existing folder")),
     # YAML config (--config)
     Case("config-missing", ("--config", "{tmp}/none.yaml"), ("--config", "none.yaml", "No such file")),
     Case("config-not-yaml", ("--config", "{tmp}/c.yaml"), ("c.yaml", "not valid YAML", "line 3"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("speculative_config:\n  method: [mtp\n")),
+         files={"c.yaml": "speculative_config:\n  method: [mtp\n"}),
     Case("config-top-level-list", ("--config", "{tmp}/c.yaml"), ("c.yaml", "mapping at the top level", "list"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("- speculative_config\n")),
+         files={"c.yaml": "- speculative_config\n"}),
     Case("config-unknown-key", ("--config", "{tmp}/c.yaml"), ("unknown key(s) ['max_tokens']", "allowed keys"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("max_tokens: 4\n")),
+         files={"c.yaml": "max_tokens: 4\n"}),
     Case("config-spec-not-mapping", ("--config", "{tmp}/c.yaml"), ("speculative_config must be a mapping", "3"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("speculative_config: 3\n")),
+         files={"c.yaml": "speculative_config: 3\n"}),
     Case("config-method", ("--config", "{tmp}/c.yaml"), ("method='eagle'", "['deepseek_mtp', 'mtp']"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("speculative_config:\n  method: eagle\n")),
+         files={"c.yaml": "speculative_config:\n  method: eagle\n"}),
     Case("config-spec-tokens-word", ("--config", "{tmp}/c.yaml"), ("num_speculative_tokens='two'", "1..16"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("speculative_config:\n  num_speculative_tokens: two\n")),
+         files={"c.yaml": "speculative_config:\n  num_speculative_tokens: two\n"}),
     Case("config-max-model-len-word", ("--config", "{tmp}/c.yaml"), ("max_model_len='long'", "an int >= 2"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("max_model_len: long\n")),
+         files={"c.yaml": "max_model_len: long\n"}),
     Case("config-graph-mode", ("--config", "{tmp}/c.yaml"), ("mode='fast'", "'max-autotune'"),
-         setup=lambda d: (d.parent / "c.yaml").write_text(
-             "additional_config:\n  torchair_graph_config:\n    mode: fast\n")),
+         files={"c.yaml": 
+             "additional_config:\n  torchair_graph_config:\n    mode: fast\n"}),
     Case("config-graph-enabled-word", ("--config", "{tmp}/c.yaml"), ("enabled must be true or false", "'yes'"),
-         setup=lambda d: (d.parent / "c.yaml").write_text(
-             "additional_config:\n  torchair_graph_config:\n    enabled: 'yes'\n")),
+         files={"c.yaml": 
+             "additional_config:\n  torchair_graph_config:\n    enabled: 'yes'\n"}),
     Case("config-graph-sizes-scalar", ("--config", "{tmp}/c.yaml"), ("graph_batch_sizes=4", "a list of positive ints"),
-         setup=lambda d: (d.parent / "c.yaml").write_text(
-             "additional_config:\n  torchair_graph_config:\n    graph_batch_sizes: 4\n")),
+         files={"c.yaml": 
+             "additional_config:\n  torchair_graph_config:\n    graph_batch_sizes: 4\n"}),
     Case("config-graph-set-while-off", ("--config", "{tmp}/c.yaml"), ("['mode'] set while enabled is false",),
-         setup=lambda d: (d.parent / "c.yaml").write_text(
-             "additional_config:\n  torchair_graph_config:\n    enabled: false\n    mode: max-autotune\n")),
+         files={"c.yaml": 
+             "additional_config:\n  torchair_graph_config:\n    enabled: false\n    mode: max-autotune\n"}),
     Case("config-additional-unknown", ("--config", "{tmp}/c.yaml"), ("unknown key(s) ['ascend']", "torchair_graph"),
-         setup=lambda d: (d.parent / "c.yaml").write_text("additional_config:\n  ascend: {}\n")),
+         files={"c.yaml": "additional_config:\n  ascend: {}\n"}),
     # checkpoint files
-    Case("ckpt-truncated", (), ("model.safetensors", "not a complete safetensors file"), setup=truncate_weights),
-    Case("ckpt-int-weight", (), ("'model.norm.weight'", "I32", "'F32'"), setup=int_weight),
-    Case("ckpt-missing-weight", (), ("missing tensor 'model.norm.weight'", "expected shape"), setup=drop_weight),
+    Case("ckpt-truncated", (), ("model.safetensors", "not a complete safetensors file"), damage=truncate_weights),
+    Case("ckpt-int-weight", (), ("'model.norm.weight'", "I32", "'F32'"), damage=int_weight),
+    Case("ckpt-missing-weight", (), ("missing tensor 'model.norm.weight'", "expected shape"), damage=drop_weight),
     Case("ckpt-config-mismatch", (), ("does not match its config.json", "shape mismatch", "expected"),
-         setup=edit_config(intermediate_size=200)),
+         damage=edit_config(intermediate_size=200)),
     Case("ckpt-no-tokenizer", (), ("no tokenizer.json", "tokenizer.json beside config.json"),
-         setup=remove("tokenizer.json")),
-    Case("ckpt-no-config", (), ("no config.json",), setup=remove("config.json")),
-    Case("ckpt-config-not-json", (), ("config.json", "not readable JSON"), setup=write("config.json", "{hidden")),
-    Case("ckpt-config-dtype", (), ("torch_dtype='int8'", "'float32'"), setup=edit_config(torch_dtype="int8")),
-    Case("ckpt-no-weights", (), ("no *.safetensors file",), setup=remove("model.safetensors")),
+         damage=remove("tokenizer.json")),
+    Case("ckpt-no-config", (), ("no config.json",), damage=remove("config.json")),
+    Case("ckpt-config-not-json", (), ("config.json", "not readable JSON"), damage=write("config.json", "{hidden")),
+    Case("ckpt-config-dtype", (), ("torch_dtype='int8'", "'float32'"), damage=edit_config(torch_dtype="int8")),
+    Case("ckpt-no-weights", (), ("no *.safetensors file",), damage=remove("model.safetensors")),
     # prompts
     Case("prompt-empty", ("--prompt", ""), ("prompt 0 is empty", "at least one token")),
     Case("prompt-too-long", ("--prompt", "def f(x):\n" * 40, "--max-model-len", "64"),
@@ -175,23 +176,21 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
-@pytest.fixture
-def ckpt(tmp_path) -> Path:
-    d = tmp_path / "ckpt"
-    shutil.copytree(BUNDLED_MODEL_DIR, d)
-    return d
-
-
 @pytest.mark.parametrize("case", CLI_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("output_exists", [False, True], ids=["new-output", "old-output"])
-def test_cli_bad_input(case: Case, output_exists: bool, ckpt: Path, tmp_path: Path, capsys) -> None:
-    if case.setup is not None:
-        case.setup(ckpt)
+def test_cli_bad_input(case: Case, output_exists: bool, tmp_path: Path, capsys) -> None:
+    for name, text in case.files.items():
+        (tmp_path / name).write_text(text)
+    ckpt = BUNDLED_MODEL_DIR
+    if case.damage is not None:
+        ckpt = tmp_path / "ckpt"
+        shutil.copytree(BUNDLED_MODEL_DIR, ckpt)
+        case.damage(ckpt)
     out = tmp_path / "result.json"
     if output_exists:
         out.write_text(OUTPUT_SENTINEL)
-    before = _snapshot(tmp_path)
-    argv = [a.format(ckpt=ckpt, tmp=tmp_path) for a in case.argv]
+    before = _snapshot(tmp_path), _snapshot(BUNDLED_MODEL_DIR)
+    argv = [a.format(tmp=tmp_path) for a in case.argv]
     if "--model" not in argv:
         argv += ["--model", str(ckpt)]
     if "--output" not in argv:
@@ -210,7 +209,7 @@ def test_cli_bad_input(case: Case, output_exists: bool, ckpt: Path, tmp_path: Pa
     message = err[err.index("error:"):]
     for needle in case.expect:
         assert needle in message, f"{needle!r} not in {message!r}"
-    assert _snapshot(tmp_path) == before, "a failed run wrote or changed files"
+    assert (_snapshot(tmp_path), _snapshot(BUNDLED_MODEL_DIR)) == before, "a failed run wrote or changed files"
 
 
 @pytest.mark.parametrize("case", PLUGIN_CASES, ids=lambda c: c.id)
