@@ -117,8 +117,10 @@ class TorchairGraphConfig:
             return cls(enabled=False, backend=d.get("backend", "eager"))
         if "graph_batch_sizes" in d:
             sizes = d["graph_batch_sizes"] or ()
-            if not isinstance(sizes, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int) for x in sizes):
-                raise ConfigError(f"{p}.graph_batch_sizes={sizes!r}; allowed: a list of positive ints, e.g. [1, 2, 4, 8]")
+            if not isinstance(sizes, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int)
+                                                           for x in sizes):
+                raise ConfigError(f"{p}.graph_batch_sizes={sizes!r}; allowed: a list of positive ints, "
+                                  "e.g. [1, 2, 4, 8]")
             d["graph_batch_sizes"] = tuple(sorted(set(sizes)))
         return cls(**d)
 

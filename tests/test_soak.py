@@ -1,9 +1,9 @@
 """Harness soak: many decode steps with random arrivals, prompt lengths and max_tokens, greedy and seeded sampling.
 
 The batch size wanders across every graph bucket, and the KV pool (``KV_BLOCKS``) holds about a third of what a
-full batch can ask for, so bursts preempt and recompute requests. Checked after every round (one ``generate`` call): every KV block
-is back in the pool, nothing recompiled after warm-up, each greedy request equals its run without speculation;
-at the end, the process RSS is where it was after the first round. ``test_soak_ci`` fits CI; ``test_soak_long``
+full batch can ask for, so bursts preempt and recompute requests. Checked after every round (one ``generate``
+call): every KV block is back in the pool, nothing recompiled after warm-up, each greedy request equals its run
+without speculation; at the end, the process RSS is where it was after the first round. ``test_soak_ci`` fits CI; ``test_soak_long``
 (marker ``soak``, excluded by default; ``make soak``) runs 10,000 steps.
 """
 from __future__ import annotations
