@@ -2,7 +2,7 @@
 
 Blocks are handed out as sequences grow (:meth:`BlockManager.ensure_capacity`), not reserved for a request's
 whole ``max_tokens`` at admission: a large ``max_tokens`` no longer crowds out other requests. When the pool runs
-dry the engine preempts its newest request (:meth:`BlockManager.preempt`: all its blocks go back) and recomputes
+dry the engine preempts its newest request (:meth:`BlockManager.free`: all its blocks go back) and recomputes
 it later, as vLLM does.
 """
 from __future__ import annotations
@@ -50,9 +50,6 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return num_blocks_for(min(num_tokens, self.max_model_len))
-
-    def can_hold(self, blocks: list[int], num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) - len(blocks) <= self.allocator.num_free
 
     def ensure_capacity(self, blocks: list[int], num_tokens: int) -> bool:
         """Extend ``blocks`` (in place: the sequence's own list) to hold ``num_tokens`` tokens, capped at
