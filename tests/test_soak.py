@@ -3,7 +3,8 @@
 The batch size wanders across every graph bucket, and the KV pool (``KV_BLOCKS``) holds about a third of what a
 full batch can ask for, so bursts preempt and recompute requests. Checked after every round (one ``generate``
 call): every KV block is back in the pool, nothing recompiled after warm-up, each greedy request equals its run
-without speculation; at the end, the process RSS is where it was after the first round. ``test_soak_ci`` fits CI; ``test_soak_long``
+without speculation; at the end, the process RSS is where it was after the first round and the first round,
+run again with its seed, gives the same tokens (sampled requests included). ``test_soak_ci`` fits CI; ``test_soak_long``
 (marker ``soak``, excluded by default; ``make soak``) runs 10,000 steps.
 """
 from __future__ import annotations
@@ -83,11 +84,13 @@ def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
         return step(running, *args)
 
     spec._step = tracking
-    rounds = 0
+    rounds, first = 0, None
     with torch.compiler.set_stance("fail_on_recompile"):
         while report.steps < num_steps:
             prompts, params, max_tokens, arrivals = _round(rng, corpus)
             outs, stats, _ = spec.generate(prompts, params, max_tokens, seed=seed + rounds, arrivals=arrivals)
+            if first is None:
+                first = (prompts, params, max_tokens, arrivals), [o.token_ids for o in outs]
             rounds += 1
             report.steps += stats.num_steps
             report.requests += len(prompts)
@@ -104,6 +107,9 @@ def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
             for o, n in zip(outs, max_tokens):
                 assert 1 <= len(o.token_ids) <= n and o.finish_reason in ("stop", "length", "max_model_len")
             report.rss.append(psutil.Process().memory_info().rss)
+        # seeded sampling is reproducible: the first round again, same seed, same tokens (sampled ones included)
+        again, _, _ = spec.generate(*first[0][:3], seed=seed, arrivals=first[0][3])
+        assert [o.token_ids for o in again] == first[1], "seeded sampling did not reproduce"
     return report
 
 
