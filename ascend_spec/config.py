@@ -146,6 +146,11 @@ class EngineConfig:
     kv_blocks: int | None = None
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
+    #: a decode step is one graph (verify + sampling + drafting) over device-side batch state; False: the
+    #: step-by-step path (target graph, eager sampling, draft graph), which logprobs and the unpadded drafter use
+    fused_step: bool = True
+    #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         for key, low in (("max_model_len", 2), ("max_num_seqs", 1)):

@@ -21,6 +21,7 @@ import torch
 
 from . import spec_decode
 from .config import EngineConfig
+from .fused_step import GREEDY, RANDOM, SpecStepGraphs, StepKey, choose_k, context_buckets, time_call
 from .graph.backends import Backend, get_backend
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.config import KV_BLOCK_SIZE
@@ -60,6 +61,51 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
 
+@dataclass
+class DeviceBatch:
+    """The running batch's next step inputs, on device, padded to its graph bucket (pad rows: ``live`` False).
+
+    The fused graph advances ``input_ids`` and ``start`` itself; the host rebuilds the batch only when its
+    composition, K or sampling mode changes.
+    """
+
+    req_ids: tuple[int, ...]
+    k: int
+    mode: str
+    input_ids: torch.Tensor  # [Bp, 1+k]: last token, then the drafts
+    start: torch.Tensor  # [Bp]: position of input_ids[:, 0]
+    num_draft: torch.Tensor  # [Bp]
+    num_draft_host: list[int]  # the same, for the real rows (metrics)
+    block_table: torch.Tensor  # [Bp, M]
+    live: torch.Tensor  # [Bp] bool
+    sampling: SamplingTensors  # fields [Bp]
+
+    @property
+    def bucket(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted), Laplace-smoothed."""
+
+    offered: list[int]
+    accepted: list[int]
+
+    @classmethod
+    def empty(cls, k: int) -> "AcceptanceTracker":
+        return cls([0] * k, [0] * k)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        for j in range(num_draft):
+            if j <= num_accepted:
+                self.offered[j] += 1
+                self.accepted[j] += j < num_accepted
+
+    def rates(self) -> list[float]:
+        return [(a + 1) / (o + 2) for a, o in zip(self.accepted, self.offered)]
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     prompt_ids: list[int]
@@ -80,6 +126,11 @@ class RunStats:
     recompiles_after_warmup: int = 0
     preemptions: int = 0
     compile_seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+    #: fused path: steps run per K, and the K each bucket would choose at the end of the run
+    steps_per_k: dict[int, int] = field(default_factory=dict)
+    k_by_bucket: dict[int, int] = field(default_factory=dict)
+    #: host-side seconds per step outside the graph call (input building, bookkeeping)
+    host_seconds: float = 0.0
 
     @property
     def host_syncs_per_step(self) -> float:
@@ -136,6 +187,15 @@ class Engine:
         if self.spec:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, self.caches.draft,
                                                 backend=self.backend, batch_sizes=self.batch_sizes)
+        self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len)
+        self.context_sizes = context_buckets(cfg.max_model_len)
+        self.k_by_bucket = {b: self.k for b in self.batch_sizes}
+        #: measured at warm-up when adaptive_k: seconds of one fused step per bucket and K
+        self.step_seconds: dict[int, dict[int, float]] = {}
+        self.acceptance = AcceptanceTracker.empty(self.k)
+        self._steps_at_k: dict[int, int] = {}
+        self._batch: DeviceBatch | None = None
+        self._pending_drafts: dict[int, list[int]] = {}  # drafts brought to the host when leaving the fused path
         self._warm = False
         self._compiles_at_warmup = 0
 
@@ -145,16 +205,38 @@ class Engine:
 
     # -- warm-up ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> dict[str, dict[int, float]]:
-        """Compile every bucket of the target step and the draft chain, largest first."""
-        q = 1 + self.k
-        b = self.target_graph.max_size
-        ex = self._pad_batch(b, q)
+        """Compile every graph a greedy run replays, largest bucket first: the fused step per bucket, context
+        width and K (every K in 0..K_max when ``adaptive_k``, then timed), or the target step and draft chain.
+        Graphs for random sampling compile on first use."""
         with torch.no_grad():
-            times = {"target": self.target_graph.warmup(ex, (self.caches.target,), progress=progress)}
-            if self.proposer is not None:
-                times["draft"] = self.proposer.warmup(progress=progress)
+            times = self._warmup_fused(progress) if self.cfg.fused_step else self._warmup_unfused(progress)
         self._warm = True
         self._compiles_at_warmup = dynamo_compile_count()
+        return times
+
+    def _warmup_unfused(self, progress: bool) -> dict[str, dict[int, float]]:
+        ex = self._pad_batch(self.target_graph.max_size, 1 + self.k)
+        times = {"target": self.target_graph.warmup(ex, (self.caches.target,), progress=progress)}
+        if self.proposer is not None:
+            times["draft"] = self.proposer.warmup(progress=progress)
+        return times
+
+    def _warmup_fused(self, progress: bool) -> dict[str, dict[int, float]]:
+        ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
+        times: dict[str, dict[int, float]] = {}
+        for bucket in sorted(self.batch_sizes, reverse=True):
+            for k in ks:
+                batch = self._inert_batch(bucket, k)
+                for ctx in self.context_sizes:
+                    start = time.perf_counter()
+                    self._replay(batch, ctx, None)
+                    times.setdefault(f"spec_k{k}_ctx{ctx}", {})[bucket] = time.perf_counter() - start
+                if self.cfg.adaptive_k:
+                    self.step_seconds.setdefault(bucket, {})[k] = time_call(
+                        lambda: self._replay(batch, self.context_sizes[-1], None), repeats=5)
+            if progress:
+                logger.info("compiled fused steps for batch bucket %d", bucket)
+        self._batch = None
         return times
 
     def _pad_batch(self, b: int, q: int) -> list[torch.Tensor]:
@@ -183,19 +265,35 @@ class Engine:
             seq.finish_reason = "max_model_len"
         return seq.finish_reason is not None
 
+    def _step_tokens(self, seq: Sequence) -> int:
+        """Cache room one step needs: verify positions up to ``start + K``, chained draft positions up to
+        ``start + 2K - 1`` (``start = num_tokens - 1``)."""
+        return seq.num_tokens - 1 + max(1 + self.k, 2 * self.k)
+
     def _make_room(self, running: list[Sequence], waiting: deque[Sequence], stats: RunStats) -> None:
-        """Blocks for every running sequence's next 1 + K tokens; while the pool is short, preempt the newest
-        request (its blocks go back; it waits at the head of the queue and is recomputed, as in vLLM)."""
-        i = 0
+        """Blocks for every running sequence's next step; while the pool is short, preempt the newest request
+        (its blocks go back; it waits at the head of the queue and is recomputed, as in vLLM)."""
+        i, grown = 0, False
         while i < len(running):
-            if self.blocks.ensure_capacity(running[i].blocks, running[i].num_tokens + self.k):
+            held = len(running[i].blocks)
+            if self.blocks.ensure_capacity(running[i].blocks, self._step_tokens(running[i])):
+                grown |= len(running[i].blocks) > held
                 i += 1
                 continue
             victim = running.pop()
             self.blocks.free(victim.blocks)
             victim.draft_ids = []
+            self._pending_drafts.pop(victim.req_id, None)
             waiting.appendleft(victim)
             stats.preemptions += 1
+        batch = self._batch
+        if grown and batch is not None and batch.req_ids == tuple(s.req_id for s in running):
+            # the fused path keeps the block table on device: new blocks go in out of place
+            batch.block_table = self._block_table(running, batch.bucket)
+
+    def _block_table(self, running: list[Sequence], bucket: int) -> torch.Tensor:
+        rows = [self._block_row(s) for s in running] + [[0] * self.caches.max_blocks_per_seq] * (bucket - len(running))
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     # -- prefill (eager, one request at a time, as nano-vllm) ----------------------------------------
     def _prefill(self, seq: Sequence, generator: torch.Generator | None) -> None:
@@ -227,6 +325,155 @@ class Engine:
     # -- one decode / verify step ---------------------------------------------------------------
     def _step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
               metrics: SpecMetrics | None) -> list[Sequence]:
+        if self._fused_applies(running):
+            return self._step_fused(running, generator, stats, metrics)
+        self._drafts_to_host()
+        return self._step_unfused(running, generator, stats, metrics)
+
+    def _fused_applies(self, running: list[Sequence]) -> bool:
+        return (self.cfg.fused_step and self.target_graph.bucket_for(len(running)) is not None
+                and not (self.spec is not None and self.spec.disable_padded_drafter_batch)
+                and all(s.params.logprobs is None for s in running))
+
+    # -- fused path: one graph per step over device-side state ------------------------------------
+    def _k_for(self, bucket: int) -> int:
+        if not self.cfg.adaptive_k or bucket not in self.step_seconds:
+            return self.k
+        k = choose_k(self.step_seconds[bucket], self.acceptance.rates())
+        self.k_by_bucket[bucket] = k
+        # Keep the acceptance estimate alive while speculation is off: one step in 16 drafts K_max.
+        n = self._steps_at_k[bucket] = self._steps_at_k.get(bucket, 0) + 1
+        return self.k if k < self.k and n % 16 == 0 else k
+
+    def _inert_batch(self, bucket: int, k: int) -> DeviceBatch:
+        dev = self.device
+        z = torch.zeros(bucket, dtype=torch.long, device=dev)
+        return DeviceBatch((), k, GREEDY, torch.zeros(bucket, 1 + k, dtype=torch.long, device=dev), z, z, [],
+                           torch.zeros(bucket, self.caches.max_blocks_per_seq, dtype=torch.long, device=dev),
+                           torch.zeros(bucket, dtype=torch.bool, device=dev),
+                           SamplingTensors.greedy_batch(bucket, dev))
+
+    def _build_batch(self, running: list[Sequence], k: int, mode: str) -> DeviceBatch:
+        """Device state for ``running``: drafts of rows already in the previous batch are gathered on device
+        (they never went to the host); requests just prefilled bring theirs from the host."""
+        dev = self.device
+        b = len(running)
+        bucket = self.target_graph.bucket_for(b)
+        old = self._batch
+        old_rows = {rid: i for i, rid in enumerate(old.req_ids)} if old is not None else {}
+        drafts = torch.zeros(bucket, k, dtype=torch.long, device=dev)
+        counts = []
+        from_old = [(i, old_rows[s.req_id]) for i, s in enumerate(running) if s.req_id in old_rows]
+        if from_old and k:
+            rows, src = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*from_old))
+            width = min(k, old.k)
+            drafts[rows, :width] = old.input_ids.index_select(0, src)[:, 1: 1 + width]
+        for i, s in enumerate(running):
+            j = old_rows.get(s.req_id)
+            if j is not None:
+                counts.append(min(old.num_draft_host[j], k))
+            else:
+                own = s.draft_ids[:k]
+                if own:
+                    drafts[i, : len(own)] = torch.tensor(own, dtype=torch.long, device=dev)
+                counts.append(len(own))
+        pad = bucket - b
+        last = torch.tensor([s.last_token for s in running] + [0] * pad, dtype=torch.long, device=dev)
+        return DeviceBatch(
+            req_ids=tuple(s.req_id for s in running), k=k, mode=mode,
+            input_ids=torch.cat([last.view(-1, 1), drafts], dim=1),
+            start=torch.tensor([s.num_tokens - 1 for s in running] + [0] * pad, dtype=torch.long, device=dev),
+            num_draft=torch.tensor(counts + [0] * pad, dtype=torch.long, device=dev), num_draft_host=counts,
+            block_table=self._block_table(running, bucket),
+            live=torch.tensor([True] * b + [False] * pad, device=dev),
+            sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, dev))
+
+    def _drafts_to_host(self) -> None:
+        """Leaving the fused path (e.g. a request wants logprobs): the step-by-step path reads drafts from the host."""
+        if self._batch is None:
+            return
+        batch, self._batch = self._batch, None
+        self._pending_drafts = {rid: row[1: 1 + batch.k] for rid, row in
+                                zip(batch.req_ids, batch.input_ids[: len(batch.req_ids)].tolist())}
+
+    def _replay(self, batch: DeviceBatch, context: int, noise: spec_decode.RejectionNoise | None
+                ) -> tuple[torch.Tensor, ...]:
+        st = batch.sampling
+        if noise is None:
+            noise = spec_decode.RejectionNoise(torch.zeros(batch.bucket, batch.k, device=self.device),
+                                               torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
+        key = StepKey(batch.bucket, batch.k, batch.mode, context)
+        with suspended_if_compiled(self.backend):
+            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft,
+                         batch.block_table[:, : context // KV_BLOCK_SIZE], batch.live, st.temperature, st.top_k,
+                         st.top_p, st.greedy, noise.uniform, noise.exponential, self.caches.target, self.caches.draft)
+
+    def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
+                    metrics: SpecMetrics | None) -> list[Sequence]:
+        t0 = time.perf_counter()
+        b = len(running)
+        bucket = self.target_graph.bucket_for(b)
+        k = self._k_for(bucket)
+        mode = GREEDY if all(s.params.is_greedy for s in running) else RANDOM
+        ids = tuple(s.req_id for s in running)
+        batch = self._batch
+        if batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode:
+            batch = self._batch = self._build_batch(running, k, mode)
+        max_len = self.cfg.max_model_len
+        # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
+        longest = max(min(s.num_tokens + 2 * k, max_len) for s in running)
+        context = next(c for c in self.context_sizes if c >= longest)
+        noise = None
+        if mode == RANDOM:
+            drawn = spec_decode.RejectionNoise.draw(b, k, self.model.cfg.vocab_size, generator, self.device)
+            noise = spec_decode.RejectionNoise(
+                torch.cat([drawn.uniform, drawn.uniform.new_zeros(bucket - b, k)]),
+                torch.cat([drawn.exponential, drawn.exponential.new_ones(bucket - b, drawn.exponential.shape[1])]))
+        counter = HostSyncCounter() if self.count_host_syncs else None
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            if counter is not None:
+                counter.__enter__()
+            try:
+                sampled, valid, next_input, next_start = self._replay(batch, context, noise)
+            finally:
+                if counter is not None:
+                    counter.__exit__(None, None, None)
+                    stats.host_syncs += counter.count
+                    stats.host_sync_events.extend(counter.events)
+        t2 = time.perf_counter()
+        if self.backend.reuses_outputs:
+            next_input, next_start = next_input.clone(), next_start.clone()
+        # The one host transfer of the step: the tokens, for bookkeeping.
+        out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
+        num_draft = [max(0, min(n, max_len - (s.num_tokens - 1) - 2)) for n, s in zip(batch.num_draft_host, running)]
+        batch.input_ids, batch.start = next_input, next_start
+        if batch.num_draft_host != [k] * b:
+            batch.num_draft = torch.full_like(batch.num_draft, k)
+            batch.num_draft_host = [k] * b
+        finished = []
+        for i, seq in enumerate(running):
+            row, n_valid = out_h[i][:-1], out_h[i][-1]
+            if metrics is not None:
+                metrics.record(num_draft[i], n_valid - 1)
+            if self.k:
+                self.acceptance.record(num_draft[i], n_valid - 1)
+            for token in row[:n_valid]:
+                stats.generated_tokens += 1
+                if self._append(seq, token):
+                    finished.append(seq)
+                    break
+        stats.num_steps += 1
+        stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
+        stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        return finished
+
+    # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
+    def _step_unfused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
+                      metrics: SpecMetrics | None) -> list[Sequence]:
+        for seq in running:
+            if seq.req_id in self._pending_drafts:
+                seq.draft_ids = self._pending_drafts.pop(seq.req_id)
         dev = self.device
         q = 1 + self.k
         max_len = self.cfg.max_model_len
@@ -369,8 +616,8 @@ class Engine:
         while waiting or running:
             while (waiting and len(running) < self.cfg.max_num_seqs
                    and (arrivals[waiting[0].req_id] <= stats.num_steps or not running)):
-                # room for the prefill and the first verify step (1 + K tokens); more as the sequence grows
-                if not self.blocks.ensure_capacity(waiting[0].blocks, waiting[0].num_tokens + 1 + self.k):
+                # room for the prefill and the first step after it; more as the sequence grows
+                if not self.blocks.ensure_capacity(waiting[0].blocks, self._step_tokens(waiting[0]) + 1):
                     break
                 seq = waiting.popleft()
                 self._prefill(seq, generator)
@@ -386,6 +633,8 @@ class Engine:
                 running.remove(seq)
                 self.blocks.free(seq.blocks)
         stats.decode_seconds = time.perf_counter() - start
+        stats.k_by_bucket = dict(self.k_by_bucket)
+        self._batch = None
         if self._warm:
             stats.recompiles_after_warmup = dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
         outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]

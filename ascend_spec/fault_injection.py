@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .fused_step import SpecStepGraphs
 from .graph.buckets import BucketedGraph
 
 
@@ -33,7 +34,12 @@ class FaultPlan:
         return faulty
 
 
-def inject_graph_faults(graph: BucketedGraph, fail_on: set[int] | list[int]) -> FaultPlan:
+def inject_graph_faults(graph: BucketedGraph | SpecStepGraphs, fail_on: set[int] | list[int]) -> FaultPlan:
+    """Wrap every compiled graph of ``graph`` (a bucketed graph, or the fused step graphs built on demand)."""
     plan = FaultPlan(frozenset(fail_on))
-    graph.graphs = {size: plan.wrap(g) for size, g in graph.graphs.items()}
+    if isinstance(graph, BucketedGraph):
+        graph.graphs = {size: plan.wrap(g) for size, g in graph.graphs.items()}
+    else:
+        build = graph.get
+        graph.get = lambda key: plan.wrap(build(key))  # type: ignore[method-assign]
     return plan

@@ -142,12 +142,15 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return x.softmax(dim=-1)
 
 
-def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one index per row by the exponential race ``argmax(p / E)``, ``E ~ Exp(1)``: sync-free, no multinomial.
 
     ``probs`` need not be normalised (the race is scale-invariant per row). Returns int64 ``probs.shape[:-1]``.
+    ``noise``: ``E`` drawn beforehand (a compiled graph takes its randomness as an input); else drawn here.
     """
-    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    if noise is None:
+        noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
     return (probs.float() / noise).argmax(dim=-1)
 
 

@@ -10,6 +10,7 @@ Shapes: ``B`` requests, ``K`` = max draft tokens per request, ``V`` = vocabulary
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -97,6 +98,23 @@ def prepare_inputs(
     return new_qsl, token_indices
 
 
+@dataclass(frozen=True, slots=True)
+class RejectionNoise:
+    """The randomness of one :func:`rejection_sample` call, drawn beforehand so that a compiled graph can take it
+    as an input. Drawn in the order the sampler itself draws (uniforms, then exponentials), so a seeded run gives
+    the same tokens either way."""
+
+    uniform: torch.Tensor  # [B, K] U(0, 1): accept draft j when u * q < p
+    exponential: torch.Tensor  # [B, V] Exp(1): the exponential race at the stopping column
+
+    @classmethod
+    def draw(cls, batch: int, k: int, vocab: int, generator: torch.Generator | None,
+             device: torch.device | str) -> "RejectionNoise":
+        uniform = torch.rand((batch, k), generator=generator, device=device, dtype=torch.float32)
+        exponential = torch.empty(batch, vocab, device=device, dtype=torch.float32).exponential_(generator=generator)
+        return cls(uniform, exponential)
+
+
 def _as_sampling_tensors(
     sampling_params: Sequence[SamplingParams] | SamplingTensors | None, device: torch.device
 ) -> SamplingTensors | None:
@@ -113,6 +131,7 @@ def rejection_sample(
     sampling_params: Sequence[SamplingParams] | SamplingTensors | None = None,
     draft_probs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    noise: RejectionNoise | None = None,
 ) -> torch.Tensor:
     """Verify drafts against the target; returns ``[B, K+1]`` int32 output tokens with ``-1`` placeholders.
 
@@ -123,6 +142,7 @@ def rejection_sample(
         sampling_params: per request; ``None`` = all greedy.
         draft_probs: ``[B, K, V]`` draft distributions q; ``None`` = deterministic drafts (q one-hot).
         generator: one generator for the batch (seeded runs are reproducible for the same batch).
+        noise: the randomness drawn beforehand (:class:`RejectionNoise`); then ``generator`` is not used.
 
     Greedy rows accept while the draft equals the target argmax and then emit the argmax at the first mismatch,
     or the bonus argmax at column ``num_draft`` when all drafts match. Random rows accept draft ``j`` with
@@ -145,13 +165,13 @@ def rejection_sample(
     probs = None
     if st is not None and not st.all_greedy:
         probs = logits_to_probs(logits, st)  # [B, K+1, V] float32
-        accept = torch.where(st.greedy.unsqueeze(1), accept, _random_accept(probs, drafts, draft_probs, generator))
+        accept = torch.where(st.greedy.unsqueeze(1), accept, _random_accept(probs, drafts, draft_probs, generator, noise))
     accept = accept & in_draft
 
     num_accepted = accept.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int64)  # [B], <= num_draft
     final_token = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # greedy recovery / bonus
     if probs is not None:
-        recovered = _sample_at_stop(probs, drafts, draft_probs, num_accepted, num_draft, generator)
+        recovered = _sample_at_stop(probs, drafts, draft_probs, num_accepted, num_draft, generator, noise)
         final_token = torch.where(st.greedy, final_token, recovered)
 
     # Column j: the draft if j < accepted, the recovered/bonus token at j == accepted, else the placeholder.
@@ -163,7 +183,8 @@ def rejection_sample(
 
 
 def _random_accept(
-    probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator | None
+    probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator | None,
+    noise: RejectionNoise | None = None,
 ) -> torch.Tensor:
     """Accept draft j with probability min(1, p_j(x)/q_j(x)), as ``u * q < p`` (no division, q = 0 safe)."""
     batch, k = drafts.shape
@@ -172,7 +193,8 @@ def _random_accept(
         q = torch.ones_like(p)
     else:
         q = draft_probs.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    u = torch.rand((batch, k), generator=generator, device=probs.device, dtype=torch.float32)
+    u = noise.uniform if noise is not None else torch.rand((batch, k), generator=generator, device=probs.device,
+                                                           dtype=torch.float32)
     return u * q < p
 
 
@@ -183,6 +205,7 @@ def _sample_at_stop(
     num_accepted: torch.Tensor,
     num_draft: torch.Tensor,
     generator: torch.Generator | None,
+    noise: RejectionNoise | None = None,
 ) -> torch.Tensor:
     """Sample the token at column ``num_accepted``: residual ``max(p - q, 0)`` after a rejection, p for the bonus.
 
@@ -193,8 +216,9 @@ def _sample_at_stop(
     row = num_accepted.view(batch, 1, 1).expand(batch, 1, vocab)
     p = probs.gather(1, row).squeeze(1)  # [B, V]
     rejected = num_accepted < num_draft  # else every draft was accepted: bonus from p
+    exponential = noise.exponential if noise is not None else None
     if k == 0:
-        return sample_from_probs(p, generator)
+        return sample_from_probs(p, generator, exponential)
     qrow = num_accepted.clamp(max=k - 1)
     if draft_probs is None:
         # Compare against arange rather than F.one_hot, which validates its input with a host read.
@@ -204,4 +228,4 @@ def _sample_at_stop(
         q = draft_probs.float().gather(1, qrow.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)
     residual = (p - q).clamp(min=0)
     use_residual = rejected & (residual.sum(dim=-1) > 0)
-    return sample_from_probs(torch.where(use_residual.unsqueeze(1), residual, p), generator)
+    return sample_from_probs(torch.where(use_residual.unsqueeze(1), residual, p), generator, exponential)

@@ -25,6 +25,13 @@ from .backends.base import Backend, compile_per_bucket
 logger = logging.getLogger(__name__)
 
 
+def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -> None:
+    """Count a compiled graph's run-time failure under ``key``; warn on the first one of that key only."""
+    n = failures[key] = failures.get(key, 0) + 1
+    (logger.warning if n == 1 else logger.debug)("%s failed (%s: %s); this step runs eagerly (failure %d)",
+                                                 what, type(exc).__name__, exc, n)
+
+
 @dataclass(frozen=True, slots=True)
 class BatchArg:
     """A per-request input (first dim = batch) and the value its pad rows hold."""
@@ -90,10 +97,7 @@ class BucketedGraph:
         try:
             outputs = self.graphs[bucket](*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
-            n = self.failures[bucket] = self.failures.get(bucket, 0) + 1
-            log = logger.warning if n == 1 else logger.debug
-            log("%s: compiled graph for batch size %d failed (%s: %s); this step runs eagerly (failure %d)",
-                self.prefix, bucket, type(exc).__name__, exc, n)
+            note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
         if self.backend.reuses_outputs:
             return tuple(o[:b].clone() for o in outputs)

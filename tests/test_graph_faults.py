@@ -1,7 +1,8 @@
 """A bucket graph that raises mid-run costs that step, not the engine: the step reruns on the eager reference.
 
-Harness side (``BucketedGraph`` under ``MtpTorchairProposer`` and the target step). The failing calls run the graph
-first (its cache writes land) and then raise. The graphs here are the eager backend's (the fallback does not depend
+Harness side: the fused step graphs (``SpecStepGraphs``, the default decode path) and, on the step-by-step path,
+the ``BucketedGraph`` of the target step and of ``MtpTorchairProposer``. The failing calls run the graph first (its
+cache writes land) and then raise. The graphs here are the eager backend's (the fallback does not depend
 on the backend; compiling would only cost CI time); the vLLM drafter's inductor graphs get the same injection in
 tests/test_vllm_plugin.py (``ours_k2_fault``).
 """
@@ -26,28 +27,33 @@ def prompts(bundled_dir):
     return [tok.encode(t) for t in TEXTS], [10 + 4 * i for i in range(len(TEXTS))]
 
 
-def _generate(bundled_dir, prompts, spec, faults=None):
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH))
+def _generate(bundled_dir, prompts, spec, faults=None, fused=True):
+    eng = load_engine(bundled_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH,
+                                                fused_step=fused))
     plans = {}
     for name, calls in (faults or {}).items():
-        graph = eng.target_graph if name == "target" else eng.proposer.graph
+        graph = {"target": eng.target_graph, "draft": getattr(eng.proposer, "graph", None),
+                 "fused": eng.spec_graphs}[name]
         plans[name] = (graph, inject_graph_faults(graph, calls))
     outs, stats, _ = eng.generate(prompts[0], SamplingParams(), prompts[1])
     return [o.token_ids for o in outs], stats, plans, eng
 
 
-def test_failing_graphs_fall_back_to_eager_for_that_step(bundled_dir, prompts, caplog):
+@pytest.mark.parametrize("fused,faults", [(True, {"fused": {2, 5, 6, 9}}),
+                                          (False, {"draft": {2, 5, 6, 9}, "target": {3}})], ids=["fused", "stepwise"])
+def test_failing_graphs_fall_back_to_eager_for_that_step(bundled_dir, prompts, caplog, fused, faults):
     reference, _, _, _ = _generate(bundled_dir, prompts, None)
     caplog.set_level(logging.WARNING, logger="ascend_spec.graph.buckets")
     spec = SpeculativeConfig(num_speculative_tokens=2)
-    got, stats, plans, eng = _generate(bundled_dir, prompts, spec, {"draft": {2, 5, 6, 9}, "target": {3}})
+    got, stats, plans, eng = _generate(bundled_dir, prompts, spec, faults, fused)
     assert got == reference, "a failed graph step changed the tokens"
-    warnings = [r for r in caplog.records if "failed" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     for name, (graph, plan) in plans.items():
         assert plan.raised == sorted(plan.fail_on), (name, plan)  # every injected fault fired ...
-        assert graph.num_failures == len(plan.fail_on), (name, graph.failures)  # ... and was caught
-        # one warning per bucket that failed (the first time), not one per failure
-        assert sum(r.getMessage().startswith(f"{graph.prefix}:") for r in warnings) == len(graph.failures)
+        assert sum(graph.failures.values()) == len(plan.fail_on), (name, graph.failures)  # ... and was caught
+        # one warning per graph that failed (the first time), not one per failure
+        label = "fused step" if name == "fused" else f"{graph.prefix}:"
+        assert sum(m.startswith(label) for m in warnings) == len(graph.failures), warnings
         assert plan.calls > max(plan.fail_on), f"{name}: the graph was not used again after its faults"
     # the engine keeps serving, through its graphs
     again, _, _ = eng.generate(prompts[0][:2], SamplingParams(), prompts[1][:2])

@@ -1,0 +1,163 @@
+"""One compiled graph per step: target verify + rejection sampling + next-token preparation + the K-step draft chain.
+
+The torchair way: a decode step is a single replay. The graph also advances the batch's device-side state
+(the next step's input tokens and start positions) from its own outputs, so the host only reads the step's
+tokens back for bookkeeping and builds nothing per step while the batch composition stays the same.
+
+Graphs are keyed by (batch bucket, K, sampling mode): ``K = 0`` is plain decoding, so speculation can be
+switched off per bucket (see ``adaptive_k``). The block table's width is the context bucket (a multiple of the
+block size), so short contexts do not attend over ``max_model_len`` keys.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import spec_decode
+from .graph.backends.base import Backend, clone_with_name
+from .graph.buckets import note_graph_failure
+from .graph.config import KV_BLOCK_SIZE
+from .graph.model import DeepseekV3ForCausalLM
+from .graph.steps import make_draft_step, make_target_step, slots_for
+from .proposer import shift_in_next_tokens
+from .sampling import SamplingTensors
+
+GREEDY, RANDOM = "greedy", "random"
+SpecStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str) -> SpecStep:
+    """The fused step for ``K = k`` drafts per request (``k = 0``: decode without speculation).
+
+    Inputs (``B`` rows, pad rows have ``live`` False and write nothing):
+    ``input_ids [B, 1+k]`` (last token, then the drafts), ``start [B]`` (its position = tokens already cached),
+    ``num_draft [B]`` (drafts in ``input_ids`` to verify), ``block_table [B, M]``, ``live [B]``, the sampling
+    tensors ``temperature, top_k, top_p, greedy [B]`` and the noise ``uniform [B, k]``, ``exponential [B, V]``
+    (unused in greedy mode), then the target caches and the draft cache.
+    Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
+    ``input_ids [B, 1+k]`` and ``start [B]``.
+    """
+    if mode not in (GREEDY, RANDOM):
+        raise ValueError(f"mode={mode!r}; allowed: {[GREEDY, RANDOM]}")
+    target = make_target_step(model)
+    draft = make_draft_step(model, k, max_model_len) if k else None
+    vocab = model.cfg.vocab_size
+    q = 1 + k
+
+    def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
+                  live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor,
+                  caches: tuple[torch.Tensor, ...], draft_cache: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = input_ids.shape[0]
+        positions = start.view(-1, 1) + torch.arange(q, device=start.device)
+        in_range = positions < max_model_len
+        pos = torch.where(in_range, positions, torch.zeros_like(positions))
+        slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table), torch.full_like(pos, -1))
+        seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
+        # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
+        nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
+        hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches)
+
+        st = SamplingTensors(temperature, top_k, top_p, greedy, all_greedy=mode == GREEDY,
+                             any_top_k=mode == RANDOM, any_top_p=mode == RANDOM)
+        noise = spec_decode.RejectionNoise(uniform, exponential) if mode == RANDOM else None
+        sampled = spec_decode.rejection_sample(input_ids[:, 1:], nd, logits, st, None, None, noise)
+        if draft is None:
+            valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
+            return sampled, valid, sampled.long(), start + 1
+        discard = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        next_ids, valid = spec_decode.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0], vocab)
+        qsl = torch.arange(b + 1, device=input_ids.device) * q
+        token_indices, _ = spec_decode.prepare_inputs_padded(qsl, nd, valid)
+        sample_idx = token_indices - qsl[:-1]
+        draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
+        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
+        next_input = torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1)
+        return sampled, valid, next_input, start + valid.long()
+
+    return spec_step
+
+
+def context_buckets(max_model_len: int, smallest: int = 64) -> list[int]:
+    """Context widths (tokens, multiples of the block size): powers of two from ``smallest`` up to ``max_model_len``."""
+    top = -(-max_model_len // KV_BLOCK_SIZE) * KV_BLOCK_SIZE
+    sizes, w = [], max(KV_BLOCK_SIZE, smallest)
+    while w < top:
+        sizes.append(w)
+        w *= 2
+    return sizes + [top]
+
+
+@dataclass(frozen=True, slots=True)
+class StepKey:
+    batch: int
+    k: int
+    mode: str
+    context: int  # tokens the block table covers
+
+
+class SpecStepGraphs:
+    """Compiled fused steps, one per :class:`StepKey`, built on first use (warm-up builds the ones it is told)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, backend: Backend, max_model_len: int) -> None:
+        self.model = model
+        self.backend = backend
+        self.max_model_len = max_model_len
+        self._fns: dict[tuple[int, str], SpecStep] = {}
+        self._graphs: dict[StepKey, SpecStep] = {}
+        self.compile_seconds: dict[StepKey, float] = {}
+        #: run-time failures per key; each such step reran on the eager definition (same outputs, same cache writes)
+        self.failures: dict[StepKey, int] = {}
+
+    def __contains__(self, key: StepKey) -> bool:
+        return key in self._graphs
+
+    def get(self, key: StepKey) -> SpecStep:
+        graph = self._graphs.get(key)
+        if graph is None:
+            fn = self._fns.get((key.k, key.mode))
+            if fn is None:
+                fn = self._fns[(key.k, key.mode)] = make_spec_step(self.model, key.k, self.max_model_len, key.mode)
+            tag = f"spec_k{key.k}_{key.mode}_bs{key.batch}_ctx{key.context}"
+            # A code object per key: each graph gets its own Dynamo cache entry (see clone_with_name).
+            graph = self._graphs[key] = self.backend.compile(clone_with_name(fn, tag), tag)
+        return graph
+
+    def __call__(self, key: StepKey, *args: object) -> tuple[torch.Tensor, ...]:
+        """Replay ``key``'s graph; if it raises, this step reruns eagerly (the graph's inputs are not modified by it,
+        and the eager rerun rewrites the same cache slots with the same values)."""
+        graph = self.get(key)
+        try:
+            return graph(*args)
+        except Exception as exc:  # noqa: BLE001 - any graph/runtime fault costs this step only
+            note_graph_failure(self.failures, key, f"fused step {key}", exc)
+            return self._fns[(key.k, key.mode)](*args)
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls (after one untimed call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
+    """1 + Σ_j Π_{i≤j} a_i: the bonus token plus the drafts accepted in a row, a_i = P(draft i accepted | i-1 was)."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def choose_k(step_seconds: dict[int, float], acceptance: list[float]) -> int:
+    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts)."""
+    return max(sorted(step_seconds), key=lambda k: (expected_tokens_per_step(acceptance, k) / step_seconds[k], -k))
