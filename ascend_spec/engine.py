@@ -11,6 +11,8 @@ bookkeeping (stop conditions, next inputs), as vLLM's scheduler does.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -204,12 +206,12 @@ class Engine:
         return self.backend.name
 
     # -- warm-up ----------------------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> dict[str, dict[int, float]]:
+    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,)) -> dict[str, dict[int, float]]:
         """Compile every graph a greedy run replays, largest bucket first: the fused step per bucket, context
         width and K (every K in 0..K_max when ``adaptive_k``, then timed), or the target step and draft chain.
-        Graphs for random sampling compile on first use."""
+        Fused graphs for random sampling compile on first use, or here with ``modes=(GREEDY, RANDOM)``."""
         with torch.no_grad():
-            times = self._warmup_fused(progress) if self.cfg.fused_step else self._warmup_unfused(progress)
+            times = self._warmup_fused(progress, modes) if self.cfg.fused_step else self._warmup_unfused(progress)
         self._warm = True
         self._compiles_at_warmup = dynamo_compile_count()
         return times
@@ -221,16 +223,17 @@ class Engine:
             times["draft"] = self.proposer.warmup(progress=progress)
         return times
 
-    def _warmup_fused(self, progress: bool) -> dict[str, dict[int, float]]:
+    def _warmup_fused(self, progress: bool, modes: tuple[str, ...]) -> dict[str, dict[int, float]]:
         ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
         times: dict[str, dict[int, float]] = {}
         for bucket in sorted(self.batch_sizes, reverse=True):
             for k in ks:
                 batch = self._inert_batch(bucket, k)
-                for ctx in self.context_sizes:
+                for mode, ctx in itertools.product(modes, self.context_sizes):
                     start = time.perf_counter()
-                    self._replay(batch, ctx, None)
-                    times.setdefault(f"spec_k{k}_ctx{ctx}", {})[bucket] = time.perf_counter() - start
+                    self._replay(dataclasses.replace(batch, mode=mode), ctx, None)
+                    name = f"spec_k{k}_ctx{ctx}" + ("" if mode == GREEDY else f"_{mode}")
+                    times.setdefault(name, {})[bucket] = time.perf_counter() - start
                 if self.cfg.adaptive_k:
                     self.step_seconds.setdefault(bucket, {})[k] = time_call(
                         lambda: self._replay(batch, self.context_sizes[-1], None), repeats=5)

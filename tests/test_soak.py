@@ -19,6 +19,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
+from ascend_spec.fused_step import GREEDY, RANDOM
 from ascend_spec.graph.attention import num_blocks_for
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -73,7 +74,7 @@ def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
     ref = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False)))
     if backend != "eager":
-        spec.warmup(progress=False)
+        spec.warmup(progress=False, modes=(GREEDY, RANDOM))  # the soak samples too
     report = SoakReport(total_blocks=spec.caches.allocator.num_free)
     rng = random.Random(seed)
     corpus = _corpus(bundled_dir)
