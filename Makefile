@@ -34,8 +34,10 @@ test: $(VENV)/.installed-test
 soak: $(VENV)/.installed-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
+# tokens/s with and without speculation, K = 0..3 and adaptive, batch 1-8: Markdown + plots into docs/bench
 bench: $(VENV)/.installed
-	$(PY) tools/bench.py
+	$(PIP) install -q -e ".[bench]"
+	$(PY) tools/bench.py --out docs/bench
 
 bench-moe: $(VENV)/.installed
 	$(PY) tools/bench_moe.py --strategy all

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-padded-drafter-batch", action="store_true", default=None)
     g.add_argument("--backend", choices=["auto", "eager", "inductor", "torchair"], default=None)
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
+    g.add_argument("--adaptive-k", action="store_true",
+                   help="choose K in 0..num_speculative_tokens per batch bucket from measured step costs and the "
+                        "running acceptance (speculation that never costs)")
+    g.add_argument("--step-by-step", action="store_true",
+                   help="run target, sampling and drafting as separate calls instead of one fused graph per step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--output", type=Path, default=None,
                    help="write the result to this file (replaced only once generation succeeded) instead of stdout")
@@ -88,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         # No more graph buckets than the batch can use: warm-up compiles each one.
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
-                        graph=TorchairGraphConfig.from_dict(graph), **kwargs)
+                        graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
+                        adaptive_k=args.adaptive_k, **kwargs)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -155,6 +161,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "num_steps": stats.num_steps,
             "host_syncs_per_step": stats.host_syncs_per_step,
             "recompiles_after_warmup": stats.recompiles_after_warmup,
+            # measured on fused steps only (the step-by-step path interleaves host work with its graph calls)
+            "host_us_per_step": (round(1e6 * stats.host_seconds / sum(stats.steps_per_k.values()), 1)
+                                 if stats.steps_per_k else None),
+            "steps_per_k": stats.steps_per_k,
+            "k_by_bucket": stats.k_by_bucket,
             **(metrics.as_dict() if metrics else {"acceptance_rate": None, "mean_accepted_length": None,
                                                  "acceptance_per_position": []}),
         }

@@ -121,6 +121,7 @@ class RequestOutput:
 class RunStats:
     backend: str
     num_steps: int = 0
+    request_steps: int = 0  # Σ over steps of the batch size
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     host_syncs: int = 0
@@ -467,6 +468,7 @@ class Engine:
                     finished.append(seq)
                     break
         stats.num_steps += 1
+        stats.request_steps += b
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         return finished
@@ -548,6 +550,7 @@ class Engine:
             if drafts_h is not None:
                 seq.draft_ids = drafts_h[i]
         stats.num_steps += 1
+        stats.request_steps += b
         return finished
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,

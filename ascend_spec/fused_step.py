@@ -82,7 +82,7 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     return spec_step
 
 
-def context_buckets(max_model_len: int, smallest: int = 64) -> list[int]:
+def context_buckets(max_model_len: int, smallest: int = 128) -> list[int]:
     """Context widths (tokens, multiples of the block size): powers of two from ``smallest`` up to ``max_model_len``."""
     top = -(-max_model_len // KV_BLOCK_SIZE) * KV_BLOCK_SIZE
     sizes, w = [], max(KV_BLOCK_SIZE, smallest)
