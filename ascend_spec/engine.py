@@ -351,8 +351,10 @@ class Engine:
 
     def _inert_batch(self, bucket: int, k: int) -> DeviceBatch:
         dev = self.device
-        z = torch.zeros(bucket, dtype=torch.long, device=dev)
-        return DeviceBatch((), k, GREEDY, torch.zeros(bucket, 1 + k, dtype=torch.long, device=dev), z, z, [],
+        # Distinct tensors: Dynamo guards on aliasing, and a run never passes one tensor twice.
+        return DeviceBatch((), k, GREEDY, torch.zeros(bucket, 1 + k, dtype=torch.long, device=dev),
+                           torch.zeros(bucket, dtype=torch.long, device=dev),
+                           torch.zeros(bucket, dtype=torch.long, device=dev), [],
                            torch.zeros(bucket, self.caches.max_blocks_per_seq, dtype=torch.long, device=dev),
                            torch.zeros(bucket, dtype=torch.bool, device=dev),
                            SamplingTensors.greedy_batch(bucket, dev))
