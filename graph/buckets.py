@@ -26,7 +26,12 @@ logger = logging.getLogger(__name__)
 
 
 def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -> None:
-    """Count a compiled graph's run-time failure under ``key``; warn on the first one of that key only."""
+    """Count a compiled graph's run-time failure under ``key``; warn on the first one of that key only.
+
+    A compile policy speaking (``torch.compiler.set_stance("fail_on_recompile")`` refusing to compile) is no
+    fault to hide: it is raised again."""
+    if "torch.compile stance" in str(exc):
+        raise exc
     n = failures[key] = failures.get(key, 0) + 1
     (logger.warning if n == 1 else logger.debug)("%s failed (%s: %s); this step runs eagerly (failure %d)",
                                                  what, type(exc).__name__, exc, n)

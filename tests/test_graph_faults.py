@@ -9,10 +9,13 @@ tests/test_vllm_plugin.py (``ours_k2_fault``).
 import logging
 
 import pytest
+import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.fault_injection import inject_graph_faults
+from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.buckets import BatchArg, BucketedGraph
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -58,3 +61,12 @@ def test_failing_graphs_fall_back_to_eager_for_that_step(bundled_dir, prompts, c
     # the engine keeps serving, through its graphs
     again, _, _ = eng.generate(prompts[0][:2], SamplingParams(), prompts[1][:2])
     assert [o.token_ids for o in again] == reference[:2]
+
+
+def test_compile_policy_errors_are_not_swallowed():
+    """``fail_on_recompile`` refusing a compile is a policy speaking, not a fault: it is raised, not run eagerly."""
+    graph = BucketedGraph(get_backend("inductor", "cpu"), lambda x: (x * 2,), "toy", [2], [BatchArg("x", 0)])
+    graph([torch.ones(2, 3)])
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        graph([torch.ones(2, 5)])  # another shape: the policy refuses the recompile
+    assert graph.num_failures == 0
