@@ -196,9 +196,12 @@ class Engine:
         #: measured at warm-up when adaptive_k: seconds of one fused step per bucket and K
         self.step_seconds: dict[int, dict[int, float]] = {}
         self.acceptance = AcceptanceTracker.empty(self.k)
+        #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
+        self.force_k: int | None = None
         self._steps_at_k: dict[int, int] = {}
         self._batch: DeviceBatch | None = None
-        self._pending_drafts: dict[int, list[int]] = {}  # drafts brought to the host when leaving the fused path
+        self._pending_drafts: dict[int, list[int]] = {}
+        self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}  # drafts brought to the host when leaving the fused path
         self._warm = False
         self._compiles_at_warmup = 0
 
@@ -216,6 +219,13 @@ class Engine:
         self._warm = True
         self._compiles_at_warmup = dynamo_compile_count()
         return times
+
+    def time_step(self, bucket: int, k: int, context: int, repeats: int = 5) -> float:
+        """Median seconds of one fused greedy step (bucket, K, context width) on an inert batch; shapes, not data,
+        set its cost."""
+        batch = self._inert_batch(bucket, k)
+        with torch.no_grad():
+            return time_call(lambda: self._replay(batch, context, None), repeats=repeats)
 
     def _warmup_unfused(self, progress: bool) -> dict[str, dict[int, float]]:
         ex = self._pad_batch(self.target_graph.max_size, 1 + self.k)
@@ -236,8 +246,7 @@ class Engine:
                     name = f"spec_k{k}_ctx{ctx}" + ("" if mode == GREEDY else f"_{mode}")
                     times.setdefault(name, {})[bucket] = time.perf_counter() - start
                 if self.cfg.adaptive_k:
-                    self.step_seconds.setdefault(bucket, {})[k] = time_call(
-                        lambda: self._replay(batch, self.context_sizes[-1], None), repeats=5)
+                    self.step_seconds.setdefault(bucket, {})[k] = self.time_step(bucket, k, self.context_sizes[-1])
             if progress:
                 logger.info("compiled fused steps for batch bucket %d", bucket)
         self._batch = None
@@ -344,6 +353,8 @@ class Engine:
 
     # -- fused path: one graph per step over device-side state ------------------------------------
     def _k_for(self, bucket: int) -> int:
+        if self.force_k is not None:
+            return self.force_k
         if not self.cfg.adaptive_k or bucket not in self.step_seconds:
             return self.k
         k = choose_k(self.step_seconds[bucket], self.acceptance.rates())
@@ -408,9 +419,12 @@ class Engine:
     def _replay(self, batch: DeviceBatch, context: int, noise: spec_decode.RejectionNoise | None
                 ) -> tuple[torch.Tensor, ...]:
         st = batch.sampling
-        if noise is None:
-            noise = spec_decode.RejectionNoise(torch.zeros(batch.bucket, batch.k, device=self.device),
-                                               torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
+        if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
+            noise = self._unused_noise.get((batch.bucket, batch.k))
+            if noise is None:
+                noise = self._unused_noise[(batch.bucket, batch.k)] = spec_decode.RejectionNoise(
+                    torch.zeros(batch.bucket, batch.k, device=self.device),
+                    torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
         key = StepKey(batch.bucket, batch.k, batch.mode, context)
         with suspended_if_compiled(self.backend):
             return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft,

@@ -16,7 +16,7 @@ import torch
 from .graph.config import ModelConfig, MoEConfig, YarnScaling
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.weights import fp8_quantization_config, save_model
-from .models import BUNDLED_MODEL_DIR
+from .models import FIXTURE_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -87,14 +87,14 @@ def _write_folder(out_dir: str | Path, model: DeepseekV3ForCausalLM, hf: dict, *
     save_model(model, out, dtype=model.cfg.dtype, **save_kwargs)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     for name in TOKENIZER_FILES:
-        if (BUNDLED_MODEL_DIR / name).is_file():
-            shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
+        if (FIXTURE_MODEL_DIR / name).is_file():
+            shutil.copy(FIXTURE_MODEL_DIR / name, out / name)
     return out
 
 
 def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, top_k: int = 4,
                      yarn_factor: float = 2.0, routed_std: float = 0.004) -> Path:
-    """The bundled *trained* model turned into a MoE + YaRN DeepSeek-V3 whose drafts get accepted.
+    """The small trained fixture model turned into a MoE + YaRN DeepSeek-V3 whose drafts get accepted.
 
     Layer 0 stays dense; layer 1 and the MTP layer become DeepSeekMoE: the shared experts (4 × 128) are the
     trained dense MLP, split exactly; 16 routed experts (top-4 of 4 groups keeping 2, bias-corrected sigmoid
@@ -104,7 +104,7 @@ def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, 
     """
     from .graph.weights import load_model
 
-    dense = load_model(BUNDLED_MODEL_DIR)
+    dense = load_model(FIXTURE_MODEL_DIR)
     base = dense.cfg
     shared_parts = 4
     cfg = dataclasses.replace(

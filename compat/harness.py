@@ -47,7 +47,9 @@ from typing import Any
 
 from ascend_spec.models import __file__ as _models_init
 
-CHECKPOINT = str(Path(_models_init).resolve().parent / "tiny-dsv3-mtp")
+# The small trained fixture: vLLM starts an engine per configuration, and a 2-layer model keeps that quick.
+CHECKPOINT = str(Path(_models_init).resolve().parent / "tiny-dsv3-2l-mtp")
+BUNDLED_CHECKPOINT = str(Path(_models_init).resolve().parent / "tiny-dsv3-mtp")
 
 #: engine settings shared by every run (the same for both drafters)
 ENGINE: dict[str, Any] = {

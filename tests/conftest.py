@@ -7,7 +7,7 @@ import torch
 from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import save_model
-from ascend_spec.models import BUNDLED_MODEL_DIR
+from ascend_spec.models import BUNDLED_MODEL_DIR, FIXTURE_MODEL_DIR
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                    kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
@@ -35,11 +35,22 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return d
 
 
+def _checkpoint(path: Path) -> Path:
+    if not (path / "model.safetensors").is_file():
+        pytest.fail(f"checkpoint missing in {path}; run tools/train_tiny.py")
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_dir() -> Path:
+    """The small trained fixture (2 target layers): confident logits, fast to compile. Most tests use it."""
+    return _checkpoint(FIXTURE_MODEL_DIR)
+
+
 @pytest.fixture(scope="session")
 def bundled_dir() -> Path:
-    if not (BUNDLED_MODEL_DIR / "model.safetensors").is_file():
-        pytest.fail(f"bundled checkpoint missing in {BUNDLED_MODEL_DIR}; run tools/train_tiny.py")
-    return BUNDLED_MODEL_DIR
+    """The bundled model (12 target layers to 1 MTP layer): the demo and benchmark checkpoint."""
+    return _checkpoint(BUNDLED_MODEL_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ascend_spec.cli import main
 from ascend_spec.compat.settings import PluginSettings
 from ascend_spec.config import ConfigError, EngineConfig
-from ascend_spec.models import BUNDLED_MODEL_DIR
+from ascend_spec.models import FIXTURE_MODEL_DIR
 
 OUTPUT_SENTINEL = "previous result\n"
 
@@ -66,7 +66,7 @@ class Case:
     argv: tuple[str, ...] = ()
     expect: tuple[str, ...] = ()
     files: dict[str, str] = field(default_factory=dict)  # written into {tmp} first
-    damage: Callable[[Path], None] | None = None  # applied to a copy of the bundled checkpoint, then {ckpt}
+    damage: Callable[[Path], None] | None = None  # applied to a copy of the fixture checkpoint, then {ckpt}
     plugin: dict | None = None  # instead of the CLI: vLLM's additional_config for PluginSettings
     engine: dict = field(default_factory=dict)  # instead of the CLI: Engine.generate keyword arguments
 
@@ -181,15 +181,15 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 def test_cli_bad_input(case: Case, output_exists: bool, tmp_path: Path, capsys) -> None:
     for name, text in case.files.items():
         (tmp_path / name).write_text(text)
-    ckpt = BUNDLED_MODEL_DIR
+    ckpt = FIXTURE_MODEL_DIR
     if case.damage is not None:
         ckpt = tmp_path / "ckpt"
-        shutil.copytree(BUNDLED_MODEL_DIR, ckpt)
+        shutil.copytree(FIXTURE_MODEL_DIR, ckpt)
         case.damage(ckpt)
     out = tmp_path / "result.json"
     if output_exists:
         out.write_text(OUTPUT_SENTINEL)
-    before = _snapshot(tmp_path), _snapshot(BUNDLED_MODEL_DIR)
+    before = _snapshot(tmp_path), _snapshot(FIXTURE_MODEL_DIR)
     argv = [a.format(tmp=tmp_path) for a in case.argv]
     if "--model" not in argv:
         argv += ["--model", str(ckpt)]
@@ -209,7 +209,7 @@ def test_cli_bad_input(case: Case, output_exists: bool, tmp_path: Path, capsys) 
     message = err[err.index("error:"):]
     for needle in case.expect:
         assert needle in message, f"{needle!r} not in {message!r}"
-    assert (_snapshot(tmp_path), _snapshot(BUNDLED_MODEL_DIR)) == before, "a failed run wrote or changed files"
+    assert (_snapshot(tmp_path), _snapshot(FIXTURE_MODEL_DIR)) == before, "a failed run wrote or changed files"
 
 
 @pytest.mark.parametrize("case", PLUGIN_CASES, ids=lambda c: c.id)
@@ -226,7 +226,7 @@ def eager_engine():
     from ascend_spec.engine import load_engine
 
     cfg = EngineConfig(max_model_len=64, max_num_seqs=2, graph=TorchairGraphConfig(enabled=False))
-    return load_engine(BUNDLED_MODEL_DIR, cfg)
+    return load_engine(FIXTURE_MODEL_DIR, cfg)
 
 
 @pytest.mark.parametrize("case", ENGINE_CASES, ids=lambda c: c.id)

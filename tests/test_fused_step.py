@@ -24,19 +24,19 @@ def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_le
 
 
 @pytest.fixture(scope="module")
-def prompts(bundled_dir):
-    tok = TextTokenizer(bundled_dir)
+def prompts(trained_dir):
+    tok = TextTokenizer(trained_dir)
     return [tok.encode(t) for t in TEXTS]
 
 
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
-def test_fused_equals_step_by_step(bundled_dir, prompts, k, sampling):
+def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
     """Greedy and seeded random sampling (mixed batches too): the same tokens and acceptance counts, token for
     token, with 5 requests over 4 slots so the batch changes composition and bucket mid-run."""
     params = SamplingParams() if sampling == "greedy" else MIXED
-    ref, ref_stats, ref_m = _engine(bundled_dir, k, fused=False).generate(prompts, params, MAX_TOKENS, seed=3)
-    got, stats, m = _engine(bundled_dir, k, fused=True).generate(prompts, params, MAX_TOKENS, seed=3)
+    ref, ref_stats, ref_m = _engine(trained_dir, k, fused=False).generate(prompts, params, MAX_TOKENS, seed=3)
+    got, stats, m = _engine(trained_dir, k, fused=True).generate(prompts, params, MAX_TOKENS, seed=3)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert (m.as_dict() if m else None) == (ref_m.as_dict() if ref_m else None)
     assert stats.num_steps == ref_stats.num_steps
@@ -44,30 +44,30 @@ def test_fused_equals_step_by_step(bundled_dir, prompts, k, sampling):
     assert stats.host_syncs == 0, stats.host_sync_events[:5]
 
 
-def test_fused_near_max_model_len(bundled_dir, prompts):
+def test_fused_near_max_model_len(trained_dir, prompts):
     """Drafts past max_model_len are clamped in the graph as on the host: same tokens up to the limit."""
-    ref, _, ref_m = _engine(bundled_dir, 3, fused=False, max_model_len=48).generate(prompts, SamplingParams(), 60)
-    got, _, m = _engine(bundled_dir, 3, fused=True, max_model_len=48).generate(prompts, SamplingParams(), 60)
+    ref, _, ref_m = _engine(trained_dir, 3, fused=False, max_model_len=48).generate(prompts, SamplingParams(), 60)
+    got, _, m = _engine(trained_dir, 3, fused=True, max_model_len=48).generate(prompts, SamplingParams(), 60)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     assert m.as_dict() == ref_m.as_dict()
 
 
-def test_logprobs_request_leaves_the_fused_path_and_back(bundled_dir, prompts):
+def test_logprobs_request_leaves_the_fused_path_and_back(trained_dir, prompts):
     """A request asking for logprobs runs the step-by-step path (drafts brought to the host), the others fused."""
     params = [SamplingParams(), SamplingParams(logprobs=2), SamplingParams(), SamplingParams(), SamplingParams()]
-    ref, _, _ = _engine(bundled_dir, 2, fused=False).generate(prompts, params, MAX_TOKENS)
-    got, stats, _ = _engine(bundled_dir, 2, fused=True).generate(prompts, params, MAX_TOKENS)
+    ref, _, _ = _engine(trained_dir, 2, fused=False).generate(prompts, params, MAX_TOKENS)
+    got, stats, _ = _engine(trained_dir, 2, fused=True).generate(prompts, params, MAX_TOKENS)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert got[1].logprobs == ref[1].logprobs
     assert 0 < sum(stats.steps_per_k.values()) < stats.num_steps  # some steps fused, some not
 
 
-def test_adaptive_k_keeps_greedy_output_and_reports_choice(bundled_dir, prompts):
-    eng = _engine(bundled_dir, 3, fused=True, adaptive=True)
+def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts):
+    eng = _engine(trained_dir, 3, fused=True, adaptive=True)
     eng.warmup(progress=False)
     assert set(eng.step_seconds) == {1, 2, 4} and all(set(v) == {0, 1, 2, 3} for v in eng.step_seconds.values())
-    ref, _, _ = _engine(bundled_dir, 0, fused=False).generate(prompts, SamplingParams(), MAX_TOKENS)
+    ref, _, _ = _engine(trained_dir, 0, fused=False).generate(prompts, SamplingParams(), MAX_TOKENS)
     got, stats, _ = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert set(stats.k_by_bucket) == {1, 2, 4} and all(0 <= k <= 3 for k in stats.k_by_bucket.values())
@@ -100,11 +100,11 @@ def test_context_buckets_cover_max_model_len():
         assert context_buckets(n)[-1] >= n and all(c % 16 == 0 for c in context_buckets(n))
 
 
-def test_fused_graph_compiles_once_per_key(bundled_dir, prompts):
+def test_fused_graph_compiles_once_per_key(trained_dir, prompts):
     """inductor: every (bucket, K, context) graph compiles at warm-up; a run then compiles nothing."""
     from ascend_spec.engine import dynamo_compile_count
 
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=160, max_num_seqs=2,
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=160, max_num_seqs=2,
                                                 speculative=SpeculativeConfig(num_speculative_tokens=2),
                                                 graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2))),
                       count_host_syncs=True)
@@ -114,6 +114,6 @@ def test_fused_graph_compiles_once_per_key(bundled_dir, prompts):
         got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [70, 20, 40])
     assert dynamo_compile_count() == before
     assert stats.host_syncs == 0
-    ref, _, _ = _engine(bundled_dir, 2, fused=False, max_model_len=160).generate(prompts[:3], SamplingParams(),
+    ref, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(prompts[:3], SamplingParams(),
                                                                                  [70, 20, 40])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -25,13 +25,13 @@ GRAPH = TorchairGraphConfig(backend="eager", graph_batch_sizes=(2, 4, 8))
 
 
 @pytest.fixture(scope="module")
-def prompts(bundled_dir):
-    tok = TextTokenizer(bundled_dir)
+def prompts(trained_dir):
+    tok = TextTokenizer(trained_dir)
     return [tok.encode(t) for t in TEXTS], [10 + 4 * i for i in range(len(TEXTS))]
 
 
-def _generate(bundled_dir, prompts, spec, faults=None, fused=True):
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH,
+def _generate(trained_dir, prompts, spec, faults=None, fused=True):
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH,
                                                 fused_step=fused))
     plans = {}
     for name, calls in (faults or {}).items():
@@ -44,11 +44,11 @@ def _generate(bundled_dir, prompts, spec, faults=None, fused=True):
 
 @pytest.mark.parametrize("fused,faults", [(True, {"fused": {2, 5, 6, 9}}),
                                           (False, {"draft": {2, 5, 6, 9}, "target": {3}})], ids=["fused", "stepwise"])
-def test_failing_graphs_fall_back_to_eager_for_that_step(bundled_dir, prompts, caplog, fused, faults):
-    reference, _, _, _ = _generate(bundled_dir, prompts, None)
+def test_failing_graphs_fall_back_to_eager_for_that_step(trained_dir, prompts, caplog, fused, faults):
+    reference, _, _, _ = _generate(trained_dir, prompts, None)
     caplog.set_level(logging.WARNING, logger="ascend_spec.graph.buckets")
     spec = SpeculativeConfig(num_speculative_tokens=2)
-    got, stats, plans, eng = _generate(bundled_dir, prompts, spec, faults, fused)
+    got, stats, plans, eng = _generate(trained_dir, prompts, spec, faults, fused)
     assert got == reference, "a failed graph step changed the tokens"
     warnings = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     for name, (graph, plan) in plans.items():

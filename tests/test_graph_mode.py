@@ -50,9 +50,9 @@ def _record_draft_calls(model_dir, k, prompts):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_inductor_draft_parity_every_bucket(bundled_dir, k):
-    tok = TextTokenizer(bundled_dir)
-    model, calls = _record_draft_calls(bundled_dir, k, [tok.encode(t) for t in TEXTS])
+def test_inductor_draft_parity_every_bucket(trained_dir, k):
+    tok = TextTokenizer(trained_dir)
+    model, calls = _record_draft_calls(trained_dir, k, [tok.encode(t) for t in TEXTS])
     batch_sizes = {c[0].target_token_ids.shape[0] for c in calls}
     assert {1, 2, 3, 4} <= batch_sizes  # every bucket, and 3 padded up to 4
     cache = torch.zeros_like(calls[0][1])
@@ -70,8 +70,8 @@ def test_inductor_draft_parity_every_bucket(bundled_dir, k):
 
 
 @pytest.fixture(scope="module")
-def inductor_engine(bundled_dir):
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
+def inductor_engine(trained_dir):
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
                                                 speculative=SpeculativeConfig(num_speculative_tokens=2),
                                                 graph=TorchairGraphConfig(backend="inductor",
                                                                           graph_batch_sizes=SIZES)))
@@ -79,10 +79,10 @@ def inductor_engine(bundled_dir):
     return eng
 
 
-def test_end_to_end_greedy_identical_across_backends(bundled_dir, inductor_engine):
-    tok = TextTokenizer(bundled_dir)
+def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engine):
+    tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS]
-    eager = load_engine(bundled_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
+    eager = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
                                                   speculative=SpeculativeConfig(num_speculative_tokens=2),
                                                   graph=TorchairGraphConfig(enabled=False, backend="eager")))
     ref, _, ref_m = eager.generate(prompts, SamplingParams(), 40)
@@ -93,8 +93,8 @@ def test_end_to_end_greedy_identical_across_backends(bundled_dir, inductor_engin
     assert stats.recompiles_after_warmup == 0
 
 
-def test_zero_recompiles_over_1000_steps(bundled_dir, inductor_engine):
-    tok = TextTokenizer(bundled_dir)
+def test_zero_recompiles_over_1000_steps(trained_dir, inductor_engine):
+    tok = TextTokenizer(trained_dir)
     rng = random.Random(0)
     base = [tok.encode(t) for t in TEXTS]
     prompts = [base[i % len(base)] for i in range(260)]
@@ -114,8 +114,8 @@ def test_compile_counter_sees_new_graphs():
     assert dynamo_compile_count() > before
 
 
-def test_batch_above_largest_bucket_runs_eagerly(bundled_dir, caplog):
-    model = load_model(bundled_dir)
+def test_batch_above_largest_bucket_runs_eagerly(trained_dir, caplog):
+    model = load_model(trained_dir)
     cache = torch.zeros(20, 16, 576)
     prop = MtpTorchairProposer(model, SpeculativeConfig(num_speculative_tokens=1), 64, cache,
                                backend=get_backend("eager", "cpu"), batch_sizes=[1, 2])
@@ -128,13 +128,13 @@ def test_batch_above_largest_bucket_runs_eagerly(bundled_dir, caplog):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_reduce_overhead_parity(bundled_dir):
+def test_cuda_reduce_overhead_parity(trained_dir):
     cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
-    tok = TextTokenizer(bundled_dir)
+    tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
-    ref, _, _ = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
                                                       **cfg), device="cuda").generate(prompts, SamplingParams(), 24)
-    eng = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(backend="auto", graph_batch_sizes=SIZES),
+    eng = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(backend="auto", graph_batch_sizes=SIZES),
                                                 **cfg), device="cuda")
     assert eng.backend.name == "inductor" and eng.backend.reuses_outputs
     got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
@@ -145,13 +145,13 @@ def test_cuda_reduce_overhead_parity(bundled_dir):
 @pytest.mark.npu
 @pytest.mark.skipif(not npu_available(), reason="needs an Ascend NPU with torch_npu and CANN")
 @pytest.mark.parametrize("use_cached_graph", [False, True])
-def test_npu_torchair_parity(bundled_dir, use_cached_graph):
+def test_npu_torchair_parity(trained_dir, use_cached_graph):
     cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
-    tok = TextTokenizer(bundled_dir)
+    tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
-    ref, _, _ = load_engine(bundled_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
                                                       **cfg), device="npu").generate(prompts, SamplingParams(), 24)
     graph = TorchairGraphConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
-    eng = load_engine(bundled_dir, EngineConfig(graph=graph, **cfg), device="npu")
+    eng = load_engine(trained_dir, EngineConfig(graph=graph, **cfg), device="npu")
     got, _, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

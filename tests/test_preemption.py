@@ -17,14 +17,14 @@ EAGER = TorchairGraphConfig(enabled=False)
 
 
 @pytest.fixture(scope="module")
-def prompts(bundled_dir):
-    tok = TextTokenizer(bundled_dir)
+def prompts(trained_dir):
+    tok = TextTokenizer(trained_dir)
     return [tok.encode(t) for t in TEXTS], [40 + 6 * i for i in range(len(TEXTS))]
 
 
-def _run(bundled_dir, prompts, k, kv_blocks, logprobs=None):
+def _run(trained_dir, prompts, k, kv_blocks, logprobs=None):
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, speculative=spec,
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, speculative=spec,
                                                 graph=EAGER, kv_blocks=kv_blocks))
     total = eng.caches.allocator.num_free
     outs, stats, _ = eng.generate(prompts[0], SamplingParams(logprobs=logprobs), prompts[1])
@@ -36,10 +36,10 @@ def _run(bundled_dir, prompts, k, kv_blocks, logprobs=None):
 # block table must follow the sequences' new blocks
 @pytest.mark.parametrize("logprobs", [None, 1], ids=["fused", "stepwise"])
 @pytest.mark.parametrize("k", [0, 2])
-def test_small_pool_preempts_and_keeps_greedy_tokens(bundled_dir, prompts, k, logprobs):
-    reference, ref_stats = _run(bundled_dir, prompts, 0, None)
+def test_small_pool_preempts_and_keeps_greedy_tokens(trained_dir, prompts, k, logprobs):
+    reference, ref_stats = _run(trained_dir, prompts, 0, None)
     assert ref_stats.preemptions == 0
-    outs, stats = _run(bundled_dir, prompts, k, SMALL_POOL, logprobs=logprobs)
+    outs, stats = _run(trained_dir, prompts, k, SMALL_POOL, logprobs=logprobs)
     print(f"K={k}: {stats.preemptions} preemptions in {stats.num_steps} steps with {SMALL_POOL} blocks")
     assert stats.preemptions > 0, "the pool was not too small"
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]

@@ -37,20 +37,20 @@ VLLM_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.vllm
-def test_greedy_no_spec_matches_vllm(bundled_dir, tmp_path):
+def test_greedy_no_spec_matches_vllm(trained_dir, tmp_path):
     pytest.importorskip("vllm")
-    tok = TextTokenizer(bundled_dir)
+    tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
     script = tmp_path / "run_vllm.py"
     script.write_text(VLLM_SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_PLUGINS="")
-    proc = subprocess.run([sys.executable, str(script), str(bundled_dir), json.dumps(prompts), str(MAX_TOKENS)],
+    proc = subprocess.run([sys.executable, str(script), str(trained_dir), json.dumps(prompts), str(MAX_TOKENS)],
                           capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     theirs = json.loads(lines[-1][len("RESULT "):])
 
-    eng = load_engine(bundled_dir, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=None,
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False, backend="eager")))
     ours = [o.token_ids for o in eng.generate(prompts, SamplingParams(), MAX_TOKENS)[0]]
     assert ours == theirs

@@ -45,11 +45,11 @@ class SoakReport:
     rss: list[int] = field(default_factory=list)
 
 
-def _corpus(bundled_dir: Path) -> list[int]:
-    """Token ids of real code (what the bundled model was trained on): prompts are random slices of it."""
+def _corpus(trained_dir: Path) -> list[int]:
+    """Token ids of real code (what the trained fixture learned from): prompts are random slices of it."""
     import ascend_spec.engine as src
 
-    return TextTokenizer(bundled_dir).encode(Path(src.__file__).read_text())
+    return TextTokenizer(trained_dir).encode(Path(src.__file__).read_text())
 
 
 def _round(rng: random.Random, corpus: list[int]):
@@ -66,18 +66,18 @@ def _round(rng: random.Random, corpus: list[int]):
     return prompts, params, max_tokens, arrivals
 
 
-def soak(bundled_dir: Path, num_steps: int, backend: str, seed: int = 0) -> SoakReport:
+def soak(trained_dir: Path, num_steps: int, backend: str, seed: int = 0) -> SoakReport:
     graph = TorchairGraphConfig(backend=backend, graph_batch_sizes=BUCKETS)
-    spec = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+    spec = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                                  speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph,
                                                  kv_blocks=KV_BLOCKS))
-    ref = load_engine(bundled_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
+    ref = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False)))
     if backend != "eager":
         spec.warmup(progress=False, modes=(GREEDY, RANDOM))  # the soak samples too
     report = SoakReport(total_blocks=spec.caches.allocator.num_free)
     rng = random.Random(seed)
-    corpus = _corpus(bundled_dir)
+    corpus = _corpus(trained_dir)
     step = spec._step
 
     def tracking(running, *args):
@@ -128,10 +128,10 @@ def _check(report: SoakReport, num_steps: int) -> None:
     assert abs(report.rss[-1] - report.rss[0]) <= RSS_TOLERANCE * report.rss[0], report.rss
 
 
-def test_soak_ci(bundled_dir):
-    _check(soak(bundled_dir, 600, backend="eager"), 600)
+def test_soak_ci(trained_dir):
+    _check(soak(trained_dir, 600, backend="eager"), 600)
 
 
 @pytest.mark.soak
-def test_soak_long(bundled_dir):
-    _check(soak(bundled_dir, 10_000, backend="inductor"), 10_000)
+def test_soak_long(trained_dir):
+    _check(soak(trained_dir, 10_000, backend="inductor"), 10_000)

@@ -20,12 +20,12 @@ TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(s
 
 
 @pytest.fixture(scope="module")
-def setup(bundled_dir):
-    tok = TextTokenizer(bundled_dir)
+def setup(trained_dir):
+    tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS]
     # Staggered lengths so the running batch shrinks through every size down to 1.
     max_tokens = [12 + 3 * i for i in range(len(prompts))]
-    return bundled_dir, prompts, max_tokens
+    return trained_dir, prompts, max_tokens
 
 
 def _run(model_dir, prompts, max_tokens, spec, max_num_seqs=16, max_model_len=256):

@@ -3,7 +3,7 @@
 One subprocess runs every engine configuration below, one after the other, in one process
 (``python -m ascend_spec.compat.harness``: engine core in-process, one import of vLLM, ~5 s per engine)
 and writes JSON; the tests read that module-scoped result. Same checkpoint (the bundled trained
-``tiny-dsv3-mtp``), float32, greedy, same engine settings for every run (``compat.harness.ENGINE``).
+``tiny-dsv3-2l-mtp``, the small trained fixture), float32, greedy, same engine settings for every run (``compat.harness.ENGINE``).
 
 Async scheduling: vLLM's CPU platform turns it off unconditionally; ``async: true`` runs restore vLLM's own
 choice (on, for MTP) through a test-only wrapper of ``CpuPlatform.check_and_update_config`` applied in the

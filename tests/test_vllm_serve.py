@@ -1,12 +1,12 @@
 """vLLM's OpenAI-compatible server with our drafter, under concurrent streaming load, aborts and bad requests.
 
 Two real servers (``python -m vllm.entrypoints.openai.api_server``, 127.0.0.1 only) start side by side on the
-bundled trained checkpoint with the same engine settings (``compat.harness.ENGINE``): one speculates with our
-drafter (``--additional-config '{"ascend_spec": {"enabled": true}}'``), one does not. The ``openai`` client drives
-waves of concurrent greedy streams at the speculative one, closing about a quarter of them mid-stream (vLLM aborts a
-request whose client went away), with bad requests in between. Every completed stream must equal the no-spec
-server's completion token for token; the server must keep serving, log no traceback, leave no request running and
-keep its memory flat. The fixture always kills both process groups it started.
+trained 2-layer fixture (``tiny-dsv3-2l-mtp``) with the same engine settings (``compat.harness.ENGINE``): one
+speculates with our drafter (``--additional-config '{"ascend_spec": {"enabled": true}}'``), one does not. The
+``openai`` client drives waves of concurrent greedy streams at the speculative one, closing about a quarter of them
+mid-stream (vLLM aborts a request whose client went away), with bad requests in between. Every completed stream must
+equal the no-spec server's completion token for token; the server must keep serving, log no traceback, leave no
+request running and keep its memory flat. The fixture always kills both process groups it started.
 """
 from __future__ import annotations
 
@@ -148,12 +148,12 @@ def _start(name: str, argv: list[str], log: Path) -> Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, bundled_dir):
+def servers(tmp_path_factory, trained_dir):
     logs = tmp_path_factory.mktemp("serve")
     started: list[Server] = []
     try:
         for name, spec in (("spec", True), ("nospec", False)):
-            started.append(_start(name, serve_argv(str(bundled_dir), _free_port(), spec), logs / f"{name}.log"))
+            started.append(_start(name, serve_argv(str(trained_dir), _free_port(), spec), logs / f"{name}.log"))
         deadline = time.monotonic() + START_TIMEOUT_S
         pending = list(started)
         while pending:

@@ -40,8 +40,8 @@ def _configs(stats_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module", params=["bundled", "bundled-moe"])
-def tp_runs(request, moe_ckpts, bundled_dir, tmp_path_factory):
-    ckpt = bundled_dir if request.param == "bundled" else moe_ckpts["bundled-moe"]
+def tp_runs(request, moe_ckpts, trained_dir, tmp_path_factory):
+    ckpt = trained_dir if request.param == "bundled" else moe_ckpts["bundled-moe"]
     tmp = tmp_path_factory.mktemp(f"tp2_{request.param}")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(_configs(tmp / "stats")))

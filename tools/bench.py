@@ -116,25 +116,36 @@ def make_engine(model: DeepseekV3ForCausalLM, k: int, batches: list[int], adapti
 
 def end_to_end(model: DeepseekV3ForCausalLM, ks: list[int], batches: list[int], max_tokens: int,
                repeats: int) -> tuple[list[dict], dict]:
+    """K = 0 is an engine without speculation; K >= 1 and adaptive share one engine whose warm-up compiles every
+    K (``force_k`` pins one), so each graph compiles once."""
     tok = TextTokenizer(BUNDLED_MODEL_DIR)
     prompts = [tok.encode(p) for p in PROMPTS]
-    contenders = {f"K={k}": make_engine(model, k, batches, False) for k in ks}
     k_max = max(ks)
+    engines = {"no-spec": make_engine(model, 0, batches, False)}
     if k_max:
-        contenders["adaptive"] = make_engine(model, k_max, batches, True)
+        engines["spec"] = make_engine(model, k_max, batches, True)
     compile_s = {}
-    for name, eng in contenders.items():
+    for name, eng in engines.items():
         t0 = time.perf_counter()
         eng.warmup(progress=False)
         compile_s[name] = time.perf_counter() - t0
         print(f"warm-up {name}: {compile_s[name]:.0f} s", flush=True)
+    contenders = {f"K={k}": (engines["spec"] if k else engines["no-spec"], k if k else None) for k in ks}
+    if k_max:
+        contenders["adaptive"] = (engines["spec"], None)
+
+    def run(name: str, batch: list[list[int]]):
+        eng, force = contenders[name]
+        eng.force_k = force
+        return eng.generate(batch, SamplingParams(), max_tokens)
+
     rows = []
     for b in batches:
         batch = [prompts[i % len(prompts)] for i in range(b)]
         runs: dict[str, list] = {name: [] for name in contenders}
         for _ in range(repeats):
-            for name, eng in contenders.items():
-                outs, stats, metrics = eng.generate(batch, SamplingParams(), max_tokens)
+            for name in contenders:
+                outs, stats, metrics = run(name, batch)
                 runs[name].append((stats, metrics, [o.token_ids for o in outs]))
         base_rate = statistics.median(s.generated_tokens / s.decode_seconds for s, _, _ in runs["K=0"])
         reference = runs["K=0"][0][2]
@@ -155,6 +166,13 @@ def end_to_end(model: DeepseekV3ForCausalLM, ks: list[int], batches: list[int], 
             r = rows[-1]
             print(f"| {b} | {name} | {rate:.1f} | {speedup:.2f}x | {per_step:.2f} | {r['efficiency']:.2f} | "
                   f"{r['host_us_per_step']:.0f} | {r['same_tokens_as_no_spec']} |", flush=True)
+    if k_max:
+        eng = engines["spec"]
+        for b in batches:
+            contexts = {c: eng.time_step(b, k_max, c, repeats=3 * repeats) for c in eng.context_sizes}
+            rows.append({"batch": b, "contender": "context", "k": k_max, "step_seconds_by_context": contexts})
+            print(f"batch {b}, K={k_max}: step ms by context width " +
+                  ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in contexts.items()), flush=True)
     return rows, compile_s
 
 
@@ -166,6 +184,8 @@ def write_report(out: Path, costs: dict, k_cost: int, rows: list[dict], compile_
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    contexts = [r for r in rows if r["contender"] == "context"]
+    rows = [r for r in rows if r["contender"] != "context"]
     batches = sorted({r["batch"] for r in rows})
     names = list(dict.fromkeys(r["contender"] for r in rows))
 
@@ -228,10 +248,16 @@ def write_report(out: Path, costs: dict, k_cost: int, rows: list[dict], compile_
         lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                      f"{r['tokens_per_request_step']:.2f} | {r['efficiency']:.2f} | {r['host_us_per_step']:.0f} | {kb} | "
                      f"{r['same_tokens_as_no_spec']} |")
+    if contexts:
+        widths = list(contexts[0]["step_seconds_by_context"])
+        lines += ["", f"## Step time by context width (ms, K={contexts[0]['k']}, fused step)", "",
+                  "| batch | " + " | ".join(f"{w} keys" for w in widths) + " |", "|---" * (len(widths) + 1) + "|"]
+        lines += [f"| {c['batch']} | " + " | ".join(f"{c['step_seconds_by_context'][w] * 1e3:.2f}" for w in widths)
+                  + " |" for c in contexts]
     lines += ["", "Warm-up (compile) seconds: " + ", ".join(f"{n} {s:.0f}" for n, s in compile_s.items()), "",
               "![tokens/s](tokens_per_s.png) ![acceptance](acceptance.png) ![breakdown](step_breakdown.png)", ""]
     (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"meta": meta, "step_costs": costs, "end_to_end": rows,
+    (out / "results.json").write_text(json.dumps({"meta": meta, "step_costs": costs, "end_to_end": rows, "context": contexts,
                                                   "compile_seconds": compile_s}, indent=2) + "\n")
 
 
@@ -255,12 +281,14 @@ def main() -> None:
                 f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                 for k, v in vars(args).items() if k not in ("out", "model"))}
     with torch.no_grad():
+        print("| batch | contender | tok/s | vs K=0 | tokens/request-step | efficiency | host µs/step | same tokens |")
+        rows, compile_s = end_to_end(model, args.ks, args.batches, args.max_tokens, args.repeats)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "end_to_end.json").write_text(json.dumps(rows, indent=2) + "\n")  # kept if the rest is cut short
         costs = step_costs(model, args.batches, args.cost_k, max(10, 5 * args.repeats))
         for b, c in costs.items():
             print(f"batch {b}: target {c['target_1'] * 1e3:.2f} ms, draft {c['draft_1'] * 1e3:.2f} ms, "
                   f"ratio {c['draft_1'] / c['target_1']:.3f}", flush=True)
-        print("| batch | contender | tok/s | vs K=0 | tokens/request-step | efficiency | host µs/step | same tokens |")
-        rows, compile_s = end_to_end(model, args.ks, args.batches, args.max_tokens, args.repeats)
     write_report(args.out, costs, args.cost_k, rows, compile_s, meta)
     print(f"wrote {args.out}/results.md and plots")
 

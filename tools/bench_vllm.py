@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="num_gpu_blocks_override (default: what VLLM_CPU_KVCACHE_SPACE=1 gives)")
     ap.add_argument("--graph-batch-sizes", default="", help="comma list (default: ascend_spec's buckets)")
-    ap.add_argument("--checkpoint", default="bundled", help="bundled | bundled-moe | a checkpoint folder")
+    ap.add_argument("--checkpoint", default="bundled",
+                    help="bundled (12 + 1 layers) | fixture (2 + 1) | bundled-moe | a checkpoint folder")
     ap.add_argument("--cache", type=Path, default=Path(".cache/bench-checkpoints"))
     ap.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor_parallel_size")
     ap.add_argument("--json", help="write raw results here")
@@ -76,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp == 2:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    from ascend_spec.compat.harness import CHECKPOINT, ENGINE, run_all
+    from ascend_spec.compat.harness import BUNDLED_CHECKPOINT, CHECKPOINT, ENGINE, run_all
 
-    checkpoint = {"bundled": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
+    checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
     if args.checkpoint == "bundled-moe":
         from ascend_spec.tiny_models import moe_from_bundled
 

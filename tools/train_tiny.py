@@ -252,6 +252,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=TrainConfig.steps)
+    ap.add_argument("--layers", type=int, default=TrainConfig.num_hidden_layers, help="target decoder layers")
+    ap.add_argument("--seq-len", type=int, default=TrainConfig.seq_len)
     ap.add_argument("--lr", type=float, default=TrainConfig.lr, help="peak learning rate of the joint training")
     ap.add_argument("--distill-steps", type=int, default=TrainConfig.distill_steps)
     ap.add_argument("--grow-from", type=Path, default=None,
@@ -261,7 +263,8 @@ def main() -> None:
                     help="load --out's checkpoint and run only the MTP self-distillation")
     ap.add_argument("--threads", type=int, default=2, help="fixed thread count keeps runs bitwise repeatable")
     args = ap.parse_args()
-    cfg = TrainConfig(steps=args.steps, distill_steps=args.distill_steps, lr=args.lr)
+    cfg = TrainConfig(steps=args.steps, distill_steps=args.distill_steps, lr=args.lr, num_hidden_layers=args.layers,
+                      seq_len=args.seq_len)
     torch.set_num_threads(args.threads)
     torch.manual_seed(cfg.seed)
     t0 = time.time()
@@ -314,6 +317,8 @@ def main() -> None:
               f"MTP agrees with target {h['mtp_agree']:.3f}; {summary['minutes']} min")
         save_checkpoint(model, mcfg, tok, args.out, summary)  # a usable checkpoint even if distillation is cut short
 
+    if cfg.distill_steps == 0:
+        return
     t1 = time.time()
     summary["distill"] = distill(model, train_stream, cfg)
     summary["heldout_distilled"] = evaluate(model, heldout_stream, cfg)

@@ -1,4 +1,10 @@
-"""Bundled checkpoints."""
+"""Bundled checkpoints.
+
+``BUNDLED_MODEL_DIR``: the demo and benchmark model, DeepSeek-V3's depth ratio in miniature (12 target layers to
+1 MTP layer). ``FIXTURE_MODEL_DIR``: the earlier 2-layer model, kept as a small, fast-compiling test fixture.
+"""
 from pathlib import Path
 
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "tiny-dsv3-mtp"
+_HERE = Path(__file__).resolve().parent
+BUNDLED_MODEL_DIR = _HERE / "tiny-dsv3-mtp"
+FIXTURE_MODEL_DIR = _HERE / "tiny-dsv3-2l-mtp"
