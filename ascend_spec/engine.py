@@ -335,7 +335,10 @@ class Engine:
         if self._append(seq, first) or self.proposer is None:
             return
         sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
-        drafts = self.proposer.propose(DraftInputs(ids, pos, hidden, slots, token, sample_idx, table, seq_lens))
+        # A prompt has its own length: the eager reference drafts it (a prompt of exactly 1 + K tokens would
+        # otherwise hit a verify-layout graph that the fused warm-up never compiles).
+        drafts = self.proposer.propose_reference(DraftInputs(ids, pos, hidden, slots, token, sample_idx, table,
+                                                             seq_lens))
         seq.draft_ids = drafts[0].tolist()
 
     # -- one decode / verify step ---------------------------------------------------------------

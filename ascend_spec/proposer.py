@@ -98,12 +98,21 @@ class MtpProposer:
     def propose(self, inputs: DraftInputs, return_logits: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Draft ``[B, K]`` token ids (and, if asked, their ``[B, K, V]`` logits) for a verified batch."""
+        ids, logits = self._run_draft(*self._draft_args(inputs))
+        return (ids, logits) if return_logits else ids
+
+    def propose_reference(self, inputs: DraftInputs) -> torch.Tensor:
+        """Draft ``[B, K]`` with the eager reference chain whatever the shape: for one-off calls (a prompt's
+        prefill) that no compiled graph was warmed for."""
+        with torch.no_grad():
+            return MtpProposer._run_draft(self, *self._draft_args(inputs))[0]
+
+    @staticmethod
+    def _draft_args(inputs: DraftInputs) -> list[torch.Tensor]:
         input_ids = shift_in_next_tokens(inputs.target_token_ids, inputs.next_token_ids,
                                          inputs.token_indices_to_sample)
-        ids, logits = self._run_draft(input_ids, inputs.target_positions, inputs.target_hidden_states,
-                                      inputs.token_indices_to_sample, inputs.target_slot_mapping,
-                                      inputs.block_table, inputs.seq_lens)
-        return (ids, logits) if return_logits else ids
+        return [input_ids, inputs.target_positions, inputs.target_hidden_states, inputs.token_indices_to_sample,
+                inputs.target_slot_mapping, inputs.block_table, inputs.seq_lens]
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,

@@ -30,10 +30,12 @@ def test_public_methods_keep_base_signatures():
 
 
 def _record_draft_calls(model_dir, k, prompts):
-    """Run the eager engine and record each padded draft call: its inputs, the draft cache before it, its outputs."""
+    """Run the eager engine step by step (the proposer drafts every step, as inside vLLM) and record each padded
+    draft call: its inputs, the draft cache before it, its outputs."""
     eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
                                               speculative=SpeculativeConfig(num_speculative_tokens=k),
-                                              graph=TorchairGraphConfig(enabled=False, backend="eager")))
+                                              graph=TorchairGraphConfig(enabled=False, backend="eager"),
+                                              fused_step=False))
     calls = []
     original = eng.proposer.propose
 
