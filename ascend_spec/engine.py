@@ -250,9 +250,6 @@ class Engine:
             if progress:
                 logger.info("compiled fused steps for batch bucket %d", bucket)
         self._batch = None
-        if self.proposer is not None:
-            # A prefill of exactly 1 + K tokens drafts through the draft graph (bucket 1): compile it now, not then.
-            times["draft"] = self.proposer.warmup(progress=progress)
         return times
 
     def _pad_batch(self, b: int, q: int) -> list[torch.Tensor]:
