@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-test bench bench-moe bench-vllm clean
+.PHONY: run test soak install install-test bench bench-moe bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# 10,000 harness decode steps (random arrivals, compiled graphs); prints steps, blocks and RSS
+soak: $(VENV)/.installed-test
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
 # tokens/s with and without speculation, K = 0..3 and adaptive, batch 1-8: Markdown + plots into docs/bench
 bench: $(VENV)/.installed

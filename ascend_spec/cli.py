@@ -13,6 +13,16 @@ from .model_info import add_inspect_parser
 from .models import BUNDLED_MODEL_DIR
 from .sampling import SamplingParams
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}; allowed: an int >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {value}; allowed: an int >= 1")
+    return value
+
+
 DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self"]
 
 
@@ -23,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint folder (default: bundled)")
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     g.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=_positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -34,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run dtype (default: the checkpoint's torch_dtype; fp8 checkpoints are dequantised to it)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache pool in blocks of 16 tokens (default: max_num_seqs full-length sequences); "
+                        "blocks are taken as sequences grow, the newest request is preempted when they run out")
     g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="decode without speculation")
@@ -46,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-by-step", action="store_true",
                    help="run target, sampling and drafting as separate calls instead of one fused graph per step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--output", type=Path, default=None,
+                   help="write the result to this file (replaced only once generation succeeded) instead of stdout")
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
     add_inspect_parser(sub)
@@ -70,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         except ValueError:
             raise ConfigError(f"--graph-batch-sizes={args.graph_batch_sizes!r}; allowed: comma-separated ints")
     kwargs = {}
-    for key in ("max_model_len", "max_num_seqs"):
+    for key in ("max_model_len", "max_num_seqs", "kv_blocks"):
         value = getattr(args, key) if getattr(args, key) is not None else data.get(key)
         if value is not None:
             kwargs[key] = value
@@ -85,15 +100,40 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        prompts += [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()
-                    if line.strip()]
+        if not args.prompts_file.is_file():
+            raise ConfigError(f"--prompts-file {args.prompts_file}: no such file; allowed: a text file, one prompt "
+                              "per line")
+        lines = [line.rstrip("\n").replace("\\n", "\n") for line in args.prompts_file.read_text().splitlines()
+                 if line.strip()]
+        if not lines:
+            raise ConfigError(f"--prompts-file {args.prompts_file} holds no prompt; allowed: one prompt per line")
+        prompts += lines
     return prompts or list(DEFAULT_PROMPTS)
+
+
+def check_output_path(path: Path | None) -> None:
+    if path is not None and (path.is_dir() or not path.parent.is_dir()):
+        raise ConfigError(f"--output {path}: allowed: a file path in an existing folder")
+
+
+def write_result(text: str, path: Path | None) -> None:
+    """stdout, or ``path`` replaced atomically: a failed run never leaves it truncated."""
+    if path is None:
+        print(text)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import load_engine
     from .tokenizer import TextTokenizer
 
+    check_output_path(args.output)
+    if not args.model.is_dir():
+        raise ConfigError(f"--model {args.model}: no such folder; allowed: a checkpoint folder (config.json, "
+                          "tokenizer.json, *.safetensors)")
     prompts = read_prompts(args)
     cfg = engine_config_from_args(args, len(prompts))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -129,16 +169,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
             **(metrics.as_dict() if metrics else {"acceptance_rate": None, "mean_accepted_length": None,
                                                  "acceptance_per_position": []}),
         }
-        print(json.dumps(result, indent=2))
+        write_result(json.dumps(result, indent=2), args.output)
         return 0
-    for p, o in zip(prompts, outputs):
-        print(f"--- prompt: {p!r}\n{p}{tok.decode(o.token_ids)}\n")
+    parts = [f"--- prompt: {p!r}\n{p}{tok.decode(o.token_ids)}\n" for p, o in zip(prompts, outputs)]
     line = (f"backend={engine.backend_name} spec={spec_name} | {len(prompts)} prompts, {stats.generated_tokens} "
             f"tokens in {stats.decode_seconds:.2f}s ({tokens_per_s:.1f} tok/s)")
     if metrics:
         line += (f" | acceptance {metrics.acceptance_rate:.2f}, mean accepted length "
                  f"{metrics.mean_accepted_length:.2f}")
-    print(line)
+    write_result("\n".join(parts + [line]), args.output)
     return 0
 
 

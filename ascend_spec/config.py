@@ -92,7 +92,10 @@ class TorchairGraphConfig:
             raise ConfigError(f"{p}.backend={self.backend!r}; allowed: {list(BACKENDS)}")
         if self.mode not in GRAPH_MODES:
             raise ConfigError(f"{p}.mode={self.mode!r}; allowed: {list(GRAPH_MODES)}")
-        bad = [s for s in self.graph_batch_sizes if not isinstance(s, int) or s < 1]
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"{p}.{f.name} must be true or false, got {getattr(self, f.name)!r}")
+        bad = [s for s in self.graph_batch_sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
         if bad:
             raise ConfigError(f"{p}.graph_batch_sizes has invalid size(s) {bad}; allowed: positive ints")
         if self.graph_batch_sizes and self.graph_batch_sizes_init:
@@ -113,7 +116,12 @@ class TorchairGraphConfig:
                 raise ConfigError(f"{p}: {set_while_off} set while enabled is false; enable graph mode or remove them")
             return cls(enabled=False, backend=d.get("backend", "eager"))
         if "graph_batch_sizes" in d:
-            d["graph_batch_sizes"] = tuple(sorted(set(d["graph_batch_sizes"] or ())))
+            sizes = d["graph_batch_sizes"] or ()
+            if not isinstance(sizes, (list, tuple)) or any(isinstance(x, bool) or not isinstance(x, int)
+                                                           for x in sizes):
+                raise ConfigError(f"{p}.graph_batch_sizes={sizes!r}; allowed: a list of positive ints, "
+                                  "e.g. [1, 2, 4, 8]")
+            d["graph_batch_sizes"] = tuple(sorted(set(sizes)))
         return cls(**d)
 
     @property
@@ -130,10 +138,12 @@ class TorchairGraphConfig:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Harness limits. ``speculative`` None means no speculation."""
+    """Harness limits. ``speculative`` None means no speculation. ``kv_blocks``: the KV pool in blocks of 16
+    tokens (block 0 reserved); default room for ``max_num_seqs`` sequences of ``max_model_len``."""
 
     max_model_len: int = 512
     max_num_seqs: int = 16
+    kv_blocks: int | None = None
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
     #: a decode step is one graph (verify + sampling + drafting) over device-side batch state; False: the
@@ -143,20 +153,35 @@ class EngineConfig:
     adaptive_k: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len={self.max_model_len}; allowed: >= 2")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs={self.max_num_seqs}; allowed: >= 1")
+        for key, low in (("max_model_len", 2), ("max_num_seqs", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{key}={value!r}; allowed: an int >= {low}")
+        if self.kv_blocks is not None and (isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
+                                           or self.kv_blocks < 2):
+            raise ConfigError(f"kv_blocks={self.kv_blocks!r}; allowed: an int >= 2 (block 0 is reserved)")
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
     """Read a YAML file holding ``speculative_config`` and/or ``additional_config.torchair_graph_config``."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', None) or exc})") from exc
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs"))
+        raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
+    _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs",
+                                  "kv_blocks"))
+    for section in ("speculative_config", "additional_config"):
+        if not isinstance(data.get(section) or {}, dict):
+            raise ConfigError(f"{path}: {section} must be a mapping of keys, got {data[section]!r}")
     extra = data.get("additional_config") or {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"{path}: additional_config must be a mapping")
     _check_keys(f"{path}: additional_config", extra, ("torchair_graph_config",))
+    graph = extra.get("torchair_graph_config") or {}
+    if not isinstance(graph, dict):
+        raise ConfigError(f"{path}: additional_config.torchair_graph_config must be a mapping of keys, got {graph!r}")
     return data

@@ -11,6 +11,8 @@ bookkeeping (stop conditions, next inputs), as vLLM's scheduler does.
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import time
 from collections import deque
@@ -22,13 +24,12 @@ import torch
 from . import spec_decode
 from .config import EngineConfig
 from .fused_step import GREEDY, RANDOM, SpecStepGraphs, StepKey, choose_k, context_buckets, time_call
-from .graph.attention import num_blocks_for
 from .graph.backends import Backend, get_backend
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.config import KV_BLOCK_SIZE
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_target_step
-from .kv_cache import KVCaches
+from .kv_cache import BlockManager, KVCaches
 from .metrics import SpecMetrics
 from .proposer import DraftInputs, MtpProposer
 from .sampling import SamplingParams, SamplingTensors, make_generator, sample
@@ -126,6 +127,7 @@ class RunStats:
     host_syncs: int = 0
     host_sync_events: list[str] = field(default_factory=list)
     recompiles_after_warmup: int = 0
+    preemptions: int = 0
     compile_seconds: dict[str, dict[int, float]] = field(default_factory=dict)
     #: fused path: steps run per K, and the K each bucket would choose at the end of the run
     steps_per_k: dict[int, int] = field(default_factory=dict)
@@ -174,7 +176,8 @@ class Engine:
         self.spec = cfg.speculative
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.caches = KVCaches.allocate(mcfg, cfg.max_model_len, cfg.max_num_seqs, self.device,
-                                        dtype=self.dtype)
+                                        dtype=self.dtype, num_blocks=cfg.kv_blocks)
+        self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len)
         self.backend: Backend = get_backend(
             cfg.graph.effective_backend, self.device, mode=cfg.graph.mode,
             frozen_parameter=cfg.graph.enable_frozen_parameter, view_optimize=cfg.graph.enable_view_optimize,
@@ -207,12 +210,12 @@ class Engine:
         return self.backend.name
 
     # -- warm-up ----------------------------------------------------------------------------------
-    def warmup(self, progress: bool = True) -> dict[str, dict[int, float]]:
+    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,)) -> dict[str, dict[int, float]]:
         """Compile every graph a greedy run replays, largest bucket first: the fused step per bucket, context
         width and K (every K in 0..K_max when ``adaptive_k``, then timed), or the target step and draft chain.
-        Graphs for random sampling compile on first use."""
+        Fused graphs for random sampling compile on first use, or here with ``modes=(GREEDY, RANDOM)``."""
         with torch.no_grad():
-            times = self._warmup_fused(progress) if self.cfg.fused_step else self._warmup_unfused(progress)
+            times = self._warmup_fused(progress, modes) if self.cfg.fused_step else self._warmup_unfused(progress)
         self._warm = True
         self._compiles_at_warmup = dynamo_compile_count()
         return times
@@ -231,16 +234,17 @@ class Engine:
             times["draft"] = self.proposer.warmup(progress=progress)
         return times
 
-    def _warmup_fused(self, progress: bool) -> dict[str, dict[int, float]]:
+    def _warmup_fused(self, progress: bool, modes: tuple[str, ...]) -> dict[str, dict[int, float]]:
         ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
         times: dict[str, dict[int, float]] = {}
         for bucket in sorted(self.batch_sizes, reverse=True):
             for k in ks:
                 batch = self._inert_batch(bucket, k)
-                for ctx in self.context_sizes:
+                for mode, ctx in itertools.product(modes, self.context_sizes):
                     start = time.perf_counter()
-                    self._replay(batch, ctx, None)
-                    times.setdefault(f"spec_k{k}_ctx{ctx}", {})[bucket] = time.perf_counter() - start
+                    self._replay(dataclasses.replace(batch, mode=mode), ctx, None)
+                    name = f"spec_k{k}_ctx{ctx}" + ("" if mode == GREEDY else f"_{mode}")
+                    times.setdefault(name, {})[bucket] = time.perf_counter() - start
                 if self.cfg.adaptive_k:
                     self.step_seconds.setdefault(bucket, {})[k] = self.time_step(bucket, k, self.context_sizes[-1])
             if progress:
@@ -256,10 +260,6 @@ class Engine:
                 torch.zeros(b, dtype=torch.long, device=dev)]
 
     # -- request lifecycle ------------------------------------------------------------------------
-    def _blocks_needed(self, seq: Sequence) -> int:
-        tokens = min(self.cfg.max_model_len, len(seq.prompt_ids) + seq.max_tokens + self.k + 1)
-        return num_blocks_for(tokens)
-
     def _block_row(self, seq: Sequence) -> list[int]:
         return seq.blocks + [0] * (self.caches.max_blocks_per_seq - len(seq.blocks))
 
@@ -278,12 +278,45 @@ class Engine:
             seq.finish_reason = "max_model_len"
         return seq.finish_reason is not None
 
+    def _step_tokens(self, seq: Sequence) -> int:
+        """Cache room one step needs: verify positions up to ``start + K``, chained draft positions up to
+        ``start + 2K - 1`` (``start = num_tokens - 1``)."""
+        return seq.num_tokens - 1 + max(1 + self.k, 2 * self.k)
+
+    def _make_room(self, running: list[Sequence], waiting: deque[Sequence], stats: RunStats) -> None:
+        """Blocks for every running sequence's next step; while the pool is short, preempt the newest request
+        (its blocks go back; it waits at the head of the queue and is recomputed, as in vLLM)."""
+        i, grown = 0, False
+        while i < len(running):
+            held = len(running[i].blocks)
+            if self.blocks.ensure_capacity(running[i].blocks, self._step_tokens(running[i])):
+                grown |= len(running[i].blocks) > held
+                i += 1
+                continue
+            victim = running.pop()
+            self.blocks.free(victim.blocks)
+            victim.draft_ids = []
+            self._pending_drafts.pop(victim.req_id, None)
+            waiting.appendleft(victim)
+            stats.preemptions += 1
+        batch = self._batch
+        if grown and batch is not None and batch.req_ids == tuple(s.req_id for s in running):
+            # the fused path keeps the block table on device: new blocks go in out of place
+            batch.block_table = self._block_table(running, batch.bucket)
+
+    def _block_table(self, running: list[Sequence], bucket: int) -> torch.Tensor:
+        rows = [self._block_row(s) for s in running] + [[0] * self.caches.max_blocks_per_seq] * (bucket - len(running))
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
     # -- prefill (eager, one request at a time, as nano-vllm) ----------------------------------------
     def _prefill(self, seq: Sequence, generator: torch.Generator | None) -> None:
+        """Prefill the prompt, or for a preempted request its prompt and generated tokens (recompute), and sample
+        the next token from the last position."""
         dev = self.device
-        n = len(seq.prompt_ids)
+        tokens = seq.prompt_ids + seq.output_ids
+        n = len(tokens)
         positions = list(range(n))
-        ids = torch.tensor([seq.prompt_ids], dtype=torch.long, device=dev)
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
         slots = torch.tensor([self._slots(seq, positions)], dtype=torch.long, device=dev)
         table = torch.tensor([self._block_row(seq)], dtype=torch.long, device=dev)
@@ -295,7 +328,7 @@ class Engine:
         if seq.params.logprobs is not None:
             top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(logits[:, -1:], token.view(1, 1),
                                                                           seq.params.logprobs))
-            seq.logprobs = [_logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first)]
+            seq.logprobs = [*(seq.logprobs or []), _logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first)]
         if self._append(seq, first) or self.proposer is None:
             return
         sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
@@ -371,8 +404,7 @@ class Engine:
             input_ids=torch.cat([last.view(-1, 1), drafts], dim=1),
             start=torch.tensor([s.num_tokens - 1 for s in running] + [0] * pad, dtype=torch.long, device=dev),
             num_draft=torch.tensor(counts + [0] * pad, dtype=torch.long, device=dev), num_draft_host=counts,
-            block_table=torch.tensor([self._block_row(s) for s in running] + [[0] * self.caches.max_blocks_per_seq] * pad,
-                                     dtype=torch.long, device=dev),
+            block_table=self._block_table(running, bucket),
             live=torch.tensor([True] * b + [False] * pad, device=dev),
             sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, dev))
 
@@ -393,9 +425,9 @@ class Engine:
                 noise = self._unused_noise[(batch.bucket, batch.k)] = spec_decode.RejectionNoise(
                     torch.zeros(batch.bucket, batch.k, device=self.device),
                     torch.ones(batch.bucket, self.model.cfg.vocab_size, device=self.device))
-        graph = self.spec_graphs.get(StepKey(batch.bucket, batch.k, batch.mode, context))
+        key = StepKey(batch.bucket, batch.k, batch.mode, context)
         with suspended_if_compiled(self.backend):
-            return graph(batch.input_ids, batch.start, batch.num_draft,
+            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft,
                          batch.block_table[:, : context // KV_BLOCK_SIZE], batch.live, st.temperature, st.top_k,
                          st.top_p, st.greedy, noise.uniform, noise.exponential, self.caches.target, self.caches.draft)
 
@@ -573,7 +605,10 @@ class Engine:
 
     # -- generation loop ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 max_tokens: int | list[int], seed: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+                 max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None
+                 ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+        """``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
+        takes the next arrival at once."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
@@ -591,33 +626,37 @@ class Engine:
             bad = [t for t in p if not 0 <= t < self.model.cfg.vocab_size]
             if bad:
                 raise ValueError(f"prompt {i} has token ids {bad[:5]} outside [0, {self.model.cfg.vocab_size})")
+        arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
+        if len(arrivals) != len(prompts) or any(a < 0 for a in arrivals):
+            raise ValueError(f"arrivals: got {len(arrivals)} for {len(prompts)} prompts; allowed: one step >= 0 each")
         if not self._warm and self.backend.name != "eager":
             self.warmup()
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        waiting, running = deque(seqs), []
+        waiting, running = deque(sorted(seqs, key=lambda s: arrivals[s.req_id])), []
         stats = RunStats(backend=self.backend.name)
         metrics = SpecMetrics(self.k) if self.k else None
         compiles_before = dynamo_compile_count()
         start = time.perf_counter()
         while waiting or running:
-            while waiting and len(running) < self.cfg.max_num_seqs:
-                need = self._blocks_needed(waiting[0])
-                if need > self.caches.allocator.num_free:
+            while (waiting and len(running) < self.cfg.max_num_seqs
+                   and (arrivals[waiting[0].req_id] <= stats.num_steps or not running)):
+                # room for the prefill and the first step after it; more as the sequence grows
+                if not self.blocks.ensure_capacity(waiting[0].blocks, self._step_tokens(waiting[0]) + 1):
                     break
                 seq = waiting.popleft()
-                seq.blocks = self.caches.allocator.allocate(need)
                 self._prefill(seq, generator)
                 stats.generated_tokens += 1
                 if seq.finish_reason:
-                    self.caches.allocator.free(seq.blocks)
+                    self.blocks.free(seq.blocks)
                 else:
                     running.append(seq)
+            self._make_room(running, waiting, stats)
             if not running:
                 continue
             for seq in self._step(running, generator, stats, metrics):
                 running.remove(seq)
-                self.caches.allocator.free(seq.blocks)
+                self.blocks.free(seq.blocks)
         stats.decode_seconds = time.perf_counter() - start
         stats.k_by_bucket = dict(self.k_by_bucket)
         self._batch = None

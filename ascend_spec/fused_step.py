@@ -18,6 +18,7 @@ import torch
 
 from . import spec_decode
 from .graph.backends.base import Backend, clone_with_name
+from .graph.buckets import note_graph_failure
 from .graph.config import KV_BLOCK_SIZE
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_draft_step, make_target_step, slots_for
@@ -109,6 +110,8 @@ class SpecStepGraphs:
         self._fns: dict[tuple[int, str], SpecStep] = {}
         self._graphs: dict[StepKey, SpecStep] = {}
         self.compile_seconds: dict[StepKey, float] = {}
+        #: run-time failures per key; each such step reran on the eager definition (same outputs, same cache writes)
+        self.failures: dict[StepKey, int] = {}
 
     def __contains__(self, key: StepKey) -> bool:
         return key in self._graphs
@@ -123,6 +126,16 @@ class SpecStepGraphs:
             # A code object per key: each graph gets its own Dynamo cache entry (see clone_with_name).
             graph = self._graphs[key] = self.backend.compile(clone_with_name(fn, tag), tag)
         return graph
+
+    def __call__(self, key: StepKey, *args: object) -> tuple[torch.Tensor, ...]:
+        """Replay ``key``'s graph; if it raises, this step reruns eagerly (the graph's inputs are not modified by it,
+        and the eager rerun rewrites the same cache slots with the same values)."""
+        graph = self.get(key)
+        try:
+            return graph(*args)
+        except Exception as exc:  # noqa: BLE001 - any graph/runtime fault costs this step only
+            note_graph_failure(self.failures, key, f"fused step {key}", exc)
+            return self._fns[(key.k, key.mode)](*args)
 
 
 def time_call(fn: Callable[[], object], repeats: int) -> float:

@@ -1,4 +1,10 @@
-"""Paged latent KV caches (target layers + the draft layer) and their block allocator."""
+"""Paged latent KV caches (target layers + the draft layer), their block allocator, and blocks on demand.
+
+Blocks are handed out as sequences grow (:meth:`BlockManager.ensure_capacity`), not reserved for a request's
+whole ``max_tokens`` at admission: a large ``max_tokens`` no longer crowds out other requests. When the pool runs
+dry the engine preempts its newest request (:meth:`BlockManager.free`: all its blocks go back) and recomputes
+it later, as vLLM does.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,6 +41,33 @@ class BlockAllocator:
         self._free.extend(reversed(blocks))
 
 
+class BlockManager:
+    """Grows each sequence's block list on demand from one :class:`BlockAllocator`."""
+
+    def __init__(self, allocator: BlockAllocator, max_model_len: int) -> None:
+        self.allocator = allocator
+        self.max_model_len = max_model_len
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return num_blocks_for(min(num_tokens, self.max_model_len))
+
+    def ensure_capacity(self, blocks: list[int], num_tokens: int) -> bool:
+        """Extend ``blocks`` (in place: the sequence's own list) to hold ``num_tokens`` tokens, capped at
+        ``max_model_len``; all or nothing. False when the pool lacks the blocks (nothing is taken then)."""
+        missing = self.blocks_for(num_tokens) - len(blocks)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free:
+            return False
+        blocks.extend(self.allocator.allocate(missing))
+        return True
+
+    def free(self, blocks: list[int]) -> None:
+        """Return all of a finished or preempted sequence's blocks to the pool (a preempted one is recomputed)."""
+        self.allocator.free(blocks)
+        blocks.clear()
+
+
 @dataclass
 class KVCaches:
     """One ``[num_blocks, 16, 576]`` latent cache per target layer, plus one for the MTP draft layer.
@@ -49,9 +82,16 @@ class KVCaches:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_model_len: int, max_num_seqs: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32) -> "KVCaches":
+                 dtype: torch.dtype = torch.float32, num_blocks: int | None = None) -> "KVCaches":
+        """``num_blocks``: the pool, null block included; default room for ``max_num_seqs`` full-length
+        sequences. It must hold one ``max_model_len`` sequence (preemption can always free enough for one)."""
         per_seq = num_blocks_for(max_model_len)
-        num_blocks = per_seq * max_num_seqs + 1
+        if num_blocks is None:
+            num_blocks = per_seq * max_num_seqs + 1
+        elif num_blocks < per_seq + 1:
+            raise ValueError(f"kv_blocks={num_blocks}: {num_blocks - 1} usable blocks of {KV_BLOCK_SIZE} tokens "
+                             f"cannot hold one max_model_len={max_model_len} sequence; allowed: >= {per_seq + 1} "
+                             "(block 0 is reserved)")
         shape = (num_blocks, KV_BLOCK_SIZE, cfg.latent_dim)
         target = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers))
         draft = torch.zeros(shape, dtype=dtype, device=device)

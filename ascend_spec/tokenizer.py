@@ -10,7 +10,8 @@ class TextTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}; a checkpoint folder needs the HF tokenizer "
+                                    "file tokenizer.json beside config.json")
         self._tok = Tokenizer.from_file(str(path))
 
     @property

@@ -79,6 +79,7 @@ class DrafterStats:
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
+    graph_failures: int = 0  # compiled bucket graphs that raised; each of those steps reran eagerly
     rank: int = 0
     warmup_seconds: float = 0.0
     buckets: list[int] = field(default_factory=list)
@@ -355,6 +356,7 @@ def build_adapter_class(base: type) -> type:
                 seq_lens=f.seq_lens[:b].long())
             with torch.inference_mode():
                 draft = self._ascend.propose(inputs)
+            self.ascend_stats.graph_failures = self._ascend.graph.num_failures
             if self.ascend_settings.collect_stats:
                 self._check_host_buffer_after(b)
             return draft

@@ -13,7 +13,9 @@ below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
 ``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail);
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
-``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating.
+``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating;
+``fail_draft_graph_calls``: make our drafter's compiled graph calls with these numbers (1-based, after warm-up)
+raise once they ran (:mod:`ascend_spec.fault_injection`), to see each such step rerun eagerly.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
@@ -216,6 +218,12 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
     try:
         llm = LLM(**kw)
         result["startup_seconds"] = time.perf_counter() - t0
+        if cfg.get("fail_draft_graph_calls"):
+            from ascend_spec.fault_injection import inject_graph_faults
+
+            for d in (r() for r in drafter_mod.LIVE[n_live:]):
+                if d is not None and d._ascend is not None:
+                    inject_graph_faults(d._ascend.graph, cfg["fail_draft_graph_calls"])
         result["async_scheduling"] = _FORCE_ASYNC["effective"]
         gen, outs, snapshots = [], None, []
         for _ in range(int(cfg.get("repeat", 1))):

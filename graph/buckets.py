@@ -3,6 +3,11 @@
 Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
 fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
 outputs back to ``b`` rows. Batches above the largest bucket run eagerly, with one warning.
+
+A compiled graph that raises at run time (a backend or runtime fault) costs that step, not the engine: the
+step reruns on the eager reference, which computes the same outputs and rewrites the same cache slots with
+the same values (whatever the failed graph wrote is overwritten), so no token changes. The first failure of a
+bucket logs a warning; every failure is counted in ``failures``.
 """
 from __future__ import annotations
 
@@ -18,6 +23,18 @@ from tqdm import tqdm
 from .backends.base import Backend, compile_per_bucket
 
 logger = logging.getLogger(__name__)
+
+
+def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -> None:
+    """Count a compiled graph's run-time failure under ``key``; warn on the first one of that key only.
+
+    A compile policy speaking (``torch.compiler.set_stance("fail_on_recompile")`` refusing to compile) is no
+    fault to hide: it is raised again."""
+    if "torch.compile stance" in str(exc):
+        raise exc
+    n = failures[key] = failures.get(key, 0) + 1
+    (logger.warning if n == 1 else logger.debug)("%s failed (%s: %s); this step runs eagerly (failure %d)",
+                                                 what, type(exc).__name__, exc, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +59,12 @@ class BucketedGraph:
         self._buffers: dict[str, torch.Tensor] = {}
         self._warned_eager = False
         self.compile_seconds: dict[int, float] = {}
+        #: run-time failures of each bucket's compiled graph (each step reran eagerly)
+        self.failures: dict[int, int] = {}
+
+    @property
+    def num_failures(self) -> int:
+        return sum(self.failures.values())
 
     @property
     def max_size(self) -> int:
@@ -76,7 +99,11 @@ class BucketedGraph:
             buf[:b].copy_(x)
             buf[b:bucket].fill_(arg.pad_value)
             padded.append(buf[:bucket])
-        outputs = self.graphs[bucket](*padded, *static_inputs)
+        try:
+            outputs = self.graphs[bucket](*padded, *static_inputs)
+        except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
+            note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
+            return tuple(self.eager_fn(*batch_inputs, *static_inputs))
         if self.backend.reuses_outputs:
             return tuple(o[:b].clone() for o in outputs)
         return tuple(o[:b] for o in outputs)

@@ -23,6 +23,8 @@ SINGLE_FILE = "model.safetensors"
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+#: safetensors dtype codes a weight may be stored in (float weights, fp8 with block scales)
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3")
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -58,7 +60,7 @@ class CheckpointFiles:
                 raise WeightLoadError(f"no *.safetensors file (nor {INDEX_FILE}) in {self.dir}")
             self.file_of = {}
             for path in files:
-                with safe_open(str(path), framework="pt") as f:  # reads the header only
+                with _open_safetensors(path) as f:  # reads the header only
                     self.file_of.update({name: path.name for name in f.keys()})
         self._open: dict[str, object] = {}
 
@@ -72,14 +74,26 @@ class CheckpointFiles:
             path = self.dir / fname
             if not path.is_file():
                 raise WeightLoadError(f"tensor {name!r} is mapped to {fname}, which is not in {self.dir}")
-            self._open[fname] = safe_open(str(path), framework="pt")
+            self._open[fname] = _open_safetensors(path)
         return self._open[fname]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """safetensors' dtype code, e.g. ``F32``, ``BF16``, ``F8_E4M3``."""
+        return self._handle(name).get_slice(name).get_dtype()
+
     def read(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
+
+
+def _open_safetensors(path: Path):
+    """``safe_open`` with a truncated or foreign file reported as one error naming the file."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError (not exported) or OSError
+        raise WeightLoadError(f"{path}: not a complete safetensors file ({exc}); re-download or re-save it") from exc
 
 
 def checkpoint_layout(model: torch.nn.Module, cfg: ModelConfig) -> tuple[dict[str, Slot], dict[str, tuple[int, ...]]]:

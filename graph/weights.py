@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .checkpoint import (SCALE_SUFFIX, CheckpointFiles, Slot, WeightLoadError, checkpoint_layout,
+from .checkpoint import (SCALE_SUFFIX, WEIGHT_DTYPES, CheckpointFiles, Slot, WeightLoadError, checkpoint_layout,
                          dequantize_fp8_block, expert_count_problems, hf_state_dict, quantize_fp8_block,
                          save_tensors)
 from .config import DTYPES, ConfigError, ModelConfig
@@ -109,6 +109,8 @@ def _raise_on_problems(model_dir: Path, files: CheckpointFiles, slots: dict[str,
             shape = files.shape(name)
             if shape != slot.shape:
                 problems.append(f"shape mismatch for {name!r}: expected {list(slot.shape)}, found {list(shape)}")
+            if files.dtype(name) not in WEIGHT_DTYPES:
+                problems.append(f"tensor {name!r} is stored as {files.dtype(name)}; allowed: {list(WEIGHT_DTYPES)}")
     if problems:
         shown = problems[:MAX_LISTED_PROBLEMS]
         if len(problems) > len(shown):

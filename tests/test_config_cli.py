@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec.cli import main
+from ascend_spec.cli import build_parser, engine_config_from_args, main
 from ascend_spec.config import (ConfigError, SpeculativeConfig, TorchairGraphConfig, default_graph_batch_sizes,
                                 power_of_two_batch_sizes)
 
@@ -72,13 +72,19 @@ def test_cli_no_spec_matches_spec_text(capsys):
     assert plain["acceptance_rate"] is None
 
 
-def test_cli_bad_input_is_one_clear_error(capsys, tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("speculative_config:\n  num_speculative_tokens: 99\n")
-    code, _, err = _run_cli(capsys, "--config", str(bad))
-    assert code == 2 and "num_speculative_tokens=99" in err
-    code, _, err = _run_cli(capsys, "--temperature", "-1", "--backend", "eager")
-    assert code == 2 and "temperature" in err
+def test_cli_output_file_and_kv_blocks(capsys, tmp_path):
+    """--output receives the result (stdout stays empty); kv_blocks comes from the file, the flag overrides it.
+    Bad input of every kind: tests/test_bad_inputs.py."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kv_blocks: 40\nmax_num_seqs: 2\n")
+    out = tmp_path / "out.json"
+    code, stdout, _ = _run_cli(capsys, "--json", "--backend", "eager", "--config", str(cfg), "--prompt", "x = [",
+                               "--max-tokens", "5", "--output", str(out))
+    assert code == 0 and stdout == ""
+    assert 1 <= len(json.loads(out.read_text())["outputs"][0]["token_ids"]) <= 5
+    assert engine_config_from_args(build_parser().parse_args(["generate", "--config", str(cfg)])).kv_blocks == 40
+    args = build_parser().parse_args(["generate", "--config", str(cfg), "--kv-blocks", "50"])
+    assert engine_config_from_args(args).kv_blocks == 50
 
 
 def test_cli_logprobs_and_dtype(capsys, moe_ckpts):

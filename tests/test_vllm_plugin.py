@@ -82,6 +82,9 @@ CONFIGS = [
     {"name": "ours_k2_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **LONG},
     # one graph bucket (1 request) for batches of up to 4: steady-state decode runs eagerly, with a warning
     {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
+    # three compiled draft-graph calls raise after running (injected): those steps rerun eagerly
+    {"name": "ours_k2_fault", "drafter": "ours", "k": 2, "graph": GRAPH, "fail_draft_graph_calls": [3, 8, 9],
+     **SHORT},
     # last: deletes a vLLM method for the duration of the run (restored after)
     {"name": "ours_broken_api", "drafter": "ours", "k": 2, "graph": GRAPH,
      "break_api": "EagleProposer.prepare_inputs_padded", "max_tokens": 4},
@@ -254,3 +257,17 @@ def test_eager_decode_is_counted_and_warned(runs):
     warnings = [line for line in ENGINE_LOG["text"].splitlines()
                 if "steady-state decode batch of" in line and "largest graph bucket 1" in line]
     assert len(warnings) == 1, warnings  # once per drafter, not per step
+
+
+def test_failing_draft_graph_reruns_eagerly(runs):
+    """A compiled draft graph that raises mid-run (injected after it ran) costs that step only: the step reruns
+    on the eager reference, the engine keeps serving, the tokens stay those of no speculation."""
+    r = ok(runs, "ours_k2_fault")
+    (stats,) = r["drafter"]
+    assert stats["graph_failures"] == 3 and stats["fallback_calls"] == 0, stats
+    assert stats["graph_calls"] > 9, stats  # graphs kept replaying after the faults
+    assert r["tokens"] == ok(runs, "none")["tokens"], first_divergence(ok(runs, "none"), r)
+    assert {c: r["metrics"][c] for c in COUNTERS} == {c: ok(runs, "ours_k2")["metrics"][c] for c in COUNTERS}
+    warnings = [line for line in ENGINE_LOG["text"].splitlines()
+                if "draft: compiled graph for batch size" in line and "InjectedFault" in line]
+    assert 1 <= len(warnings) <= len(stats["buckets"]), warnings  # once per failing bucket, not per failure

@@ -1,0 +1,72 @@
+"""A bucket graph that raises mid-run costs that step, not the engine: the step reruns on the eager reference.
+
+Harness side: the fused step graphs (``SpecStepGraphs``, the default decode path) and, on the step-by-step path,
+the ``BucketedGraph`` of the target step and of ``MtpTorchairProposer``. The failing calls run the graph first (its
+cache writes land) and then raise. The graphs here are the eager backend's (the fallback does not depend
+on the backend; compiling would only cost CI time); the vLLM drafter's inductor graphs get the same injection in
+tests/test_vllm_plugin.py (``ours_k2_fault``).
+"""
+import logging
+
+import pytest
+import torch
+
+from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import load_engine
+from ascend_spec.fault_injection import inject_graph_faults
+from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.buckets import BatchArg, BucketedGraph
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.tokenizer import TextTokenizer
+
+TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
+         "with open(path) as f:\n", "raise ValueError("]
+GRAPH = TorchairGraphConfig(backend="eager", graph_batch_sizes=(2, 4, 8))
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_dir):
+    tok = TextTokenizer(trained_dir)
+    return [tok.encode(t) for t in TEXTS], [10 + 4 * i for i in range(len(TEXTS))]
+
+
+def _generate(trained_dir, prompts, spec, faults=None, fused=True):
+    eng = load_engine(trained_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH,
+                                                fused_step=fused))
+    plans = {}
+    for name, calls in (faults or {}).items():
+        graph = {"target": eng.target_graph, "draft": getattr(eng.proposer, "graph", None),
+                 "fused": eng.spec_graphs}[name]
+        plans[name] = (graph, inject_graph_faults(graph, calls))
+    outs, stats, _ = eng.generate(prompts[0], SamplingParams(), prompts[1])
+    return [o.token_ids for o in outs], stats, plans, eng
+
+
+@pytest.mark.parametrize("fused,faults", [(True, {"fused": {2, 5, 6, 9}}),
+                                          (False, {"draft": {2, 5, 6, 9}, "target": {3}})], ids=["fused", "stepwise"])
+def test_failing_graphs_fall_back_to_eager_for_that_step(trained_dir, prompts, caplog, fused, faults):
+    reference, _, _, _ = _generate(trained_dir, prompts, None)
+    caplog.set_level(logging.WARNING, logger="ascend_spec.graph.buckets")
+    spec = SpeculativeConfig(num_speculative_tokens=2)
+    got, stats, plans, eng = _generate(trained_dir, prompts, spec, faults, fused)
+    assert got == reference, "a failed graph step changed the tokens"
+    warnings = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    for name, (graph, plan) in plans.items():
+        assert plan.raised == sorted(plan.fail_on), (name, plan)  # every injected fault fired ...
+        assert sum(graph.failures.values()) == len(plan.fail_on), (name, graph.failures)  # ... and was caught
+        # one warning per graph that failed (the first time), not one per failure
+        label = "fused step" if name == "fused" else f"{graph.prefix}:"
+        assert sum(m.startswith(label) for m in warnings) == len(graph.failures), warnings
+        assert plan.calls > max(plan.fail_on), f"{name}: the graph was not used again after its faults"
+    # the engine keeps serving, through its graphs
+    again, _, _ = eng.generate(prompts[0][:2], SamplingParams(), prompts[1][:2])
+    assert [o.token_ids for o in again] == reference[:2]
+
+
+def test_compile_policy_errors_are_not_swallowed():
+    """``fail_on_recompile`` refusing a compile is a policy speaking, not a fault: it is raised, not run eagerly."""
+    graph = BucketedGraph(get_backend("inductor", "cpu"), lambda x: (x * 2,), "toy", [2], [BatchArg("x", 0)])
+    graph([torch.ones(2, 3)])
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        graph([torch.ones(2, 5)])  # another shape: the policy refuses the recompile
+    assert graph.num_failures == 0
