@@ -2,12 +2,12 @@
 
 One virtualenv per ``package==version`` under ``.cache/upgrade-venvs/`` (or ``--venv-cache``), built once:
 
-1. ``pip install --no-deps package==version``; its other requirements are read from the installed wheel's
-   metadata (markers evaluated for this interpreter), torch and its companions apart;
+1. the release's requirements are read from its wheel's METADATA on the index (range requests, a few kB;
+   markers evaluated for this interpreter), so a release that cannot run here costs no download;
 2. torch as the release pins it: the ``+cpu`` build when the index has it, else the same version from PyPI
    (a CUDA build that runs on CPU; its download size is reported and above 2 GB needs ``allow_large``);
-3. the other requirements, then this checkout (``pip install --no-deps -e``) and pytest;
-4. torchvision / torchaudio / torchcodec removed (PyPI's builds do not import beside a CPU torch, and
+3. ``pip install --no-deps package==version``, its other requirements, this checkout (``--no-deps -e``), pytest;
+4. torchvision / torchaudio / torchcodec left out (PyPI's builds do not import beside a CPU torch, and
    transformers imports them when present).
 
 In that virtualenv run the parity suite (``pytest -m vllm`` over :data:`PARITY_TESTS`) and the acceptance
