@@ -192,6 +192,8 @@ def _main(args) -> int:
             extra = markdown_section(runtime)
 
         code = 1 if any(r.verdict.broken for r in rows) or (runtime or {}).get("status") == "failed" else 0
+        if (runtime or {}).get("status") == NOT_RUNNABLE:
+            code = 2  # asked for a runtime check that could not run here (the report says why)
         elapsed = time.time() - t0
         if args.json:
             print(json.dumps({"from": {"label": before.label, "version": before.version},

@@ -296,7 +296,9 @@ def run_release(index: Index, version: str, opts: RuntimeOptions) -> dict:
         res.update(status="failed", reason=f"timed out after {e.timeout:.0f} s: {' '.join(map(str, e.cmd[:4]))} …",
                    **{"class": NOT_RUNNABLE})
     res["seconds"] = round(time.time() - t0, 1)
-    return res
+    # reports get committed (docs/compat-matrix.md): no paths of this machine in them
+    text = json.dumps(res).replace(str(opts.venv_cache.resolve()), "<venvs>").replace(str(REPO), "<checkout>")
+    return json.loads(text)
 
 
 def markdown_section(res: dict) -> str:
@@ -336,7 +338,7 @@ def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, di
         else:
             run = f"{r.get('status')}: {r.get('passed', 0)} passed, {r.get('failed', 0)} failed"
             acc = (r.get("acceptance") or {}).get("verdict", "—")
-            why = f"{r['class']}: {r.get('reason', '')}" if r.get("class") else ""
+            why = f"{r['class']}: {r.get('reason', '')[:240]}" if r.get("class") else ""
         secs = f"{r.get('seconds', 0) / 60:.1f} min" if r.get("status") != NOT_RUNNABLE else ""
         out.append(f"| {v} | {static} | {run} | {acc} | {why.replace('|', '/')} | {secs} |")
     return "\n".join(out)
