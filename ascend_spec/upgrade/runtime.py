@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 import xml.etree.ElementTree as ET
 import zipfile
@@ -118,26 +119,26 @@ def _without_marker(req: Requirement) -> str:
     return f"{req.name}{extras}{req.specifier}"
 
 
-def _wheel_sizes(urls: list[str]) -> int:
-    total = 0
-    for url in urls:
-        req = urllib.request.Request(url, method="HEAD", headers={"User-Agent": USER_AGENT})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            total += int(r.headers.get("Content-Length") or 0)
-    return total
+def _wheel_size(url: str) -> int:
+    if url.startswith("file://"):
+        return os.path.getsize(urllib.request.url2pathname(urllib.parse.urlparse(url).path))
+    req = urllib.request.Request(url, method="HEAD", headers={"User-Agent": USER_AGENT})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return int(r.headers.get("Content-Length") or 0)
 
 
-def torch_download_bytes(spec: str) -> int:
-    """Bytes pip would download to install ``spec`` (torch and what it pulls in), from a dry-run report."""
+def install_bytes(spec: str) -> tuple[int, int]:
+    """Bytes of the wheels installing ``spec`` takes (torch and what it pulls in), and how many of them come
+    over the network (the rest lie on a local index), from pip's dry-run report."""
     with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
         report = Path(tmp) / "report.json"
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
                             "--report", str(report), spec], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
-        items = json.loads(report.read_text()).get("install", [])
-    urls = [i["download_info"]["url"] for i in items if i["download_info"]["url"].startswith("http")]
-    return _wheel_sizes(urls)
+        urls = [i["download_info"]["url"] for i in json.loads(report.read_text()).get("install", [])]
+    sizes = {u: _wheel_size(u) for u in urls}
+    return sum(sizes.values()), sum(n for u, n in sizes.items() if not u.startswith("file://"))
 
 
 def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
@@ -152,8 +153,9 @@ def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
     if not pins or "+" not in pins[0]:
         raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
     plain = "torch==" + pins[0].split("+", 1)[0]
-    size = torch_download_bytes(plain)
-    what = f"{plain} from PyPI: CUDA build, {size / 2**30:.1f} GB to download; the index lacks {spec}"
+    size, remote = install_bytes(plain)
+    what = (f"{plain} from PyPI: CUDA build, {size / 2**30:.1f} GB of wheels ({remote / 2**30:.1f} GB to download); "
+            f"the index lacks {spec}")
     if size > LARGE_BYTES and not allow_large:
         raise NotRunnable(f"not run: needs --allow-large ({what})")
     log(f"[run-tests] {what}")
