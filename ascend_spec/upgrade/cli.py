@@ -185,7 +185,7 @@ def _main(args) -> int:
         extra = ""
         runtime = None
         if args.run_tests:
-            ver = args.to or after.version
+            ver = args.to  # a release to install: a wheel's or source tree's own version label is not one
             if not ver:
                 raise CheckError("--run-tests needs a release version (--to VERSION)")
             runtime = run_release(fetcher.index, ver, runtime_options(args))
