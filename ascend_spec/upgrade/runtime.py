@@ -312,9 +312,12 @@ def markdown_section(res: dict) -> str:
     venv = res.get("venv", {})
     lines.append(f"- parity suite (`pytest -m vllm {' '.join(res.get('tests', {}).get('args', PARITY_TESTS))}`): "
                  f"{res['passed']} passed, {res['failed']} failed, {res.get('skipped', 0)} skipped "
-                 f"({res.get('tests', {}).get('seconds', 0):.0f} s); torch {venv.get('torch', '?')}")
-    for f in res.get("tests", {}).get("failures", []):
+                 f"({res.get('tests', {}).get('seconds', 0):.0f} s); {venv.get('torch', 'torch ?')}")
+    failures = res.get("tests", {}).get("failures", [])
+    for f in failures[:5]:
         lines.append(f"  - `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else ''}")
+    if len(failures) > 5:
+        lines.append(f"  - … {len(failures) - 5} more")
     acc = res.get("acceptance")
     if acc:
         lines.append(f"- acceptance gate: **{acc.get('verdict', 'error')}**" +
