@@ -251,6 +251,11 @@ def vllm_alone(py: Path, timeout_s: int) -> str | None:
     return res.get("error")
 
 
+def _first_lines(text: str, n: int = 3, limit: int = 300) -> str:
+    """An error's head on one line (the exception and its first details; pydantic puts them on later lines)."""
+    return " ".join(line.strip() for line in text.strip().splitlines()[:n])[:limit]
+
+
 def installable_here(index: Index, version: str) -> str | None:
     """None when ``index.package==version`` can be installed and run here, else the reason it cannot."""
     from packaging.tags import sys_tags
@@ -288,7 +293,7 @@ def run_release(index: Index, version: str, opts: RuntimeOptions) -> dict:
             err = vllm_alone(py, opts.timeout_s)
             res["status"] = "failed"
             res["class"] = VLLM_OWN if err else OURS
-            res["reason"] = (f"vLLM fails without our plugin too: {err.splitlines()[-1]}" if err else
+            res["reason"] = (f"vLLM fails without our plugin too: {_first_lines(err)}" if err else
                              "our plugin fails where vLLM alone runs: drift the shims do not cover")
         else:
             res["status"] = "passed"
@@ -343,7 +348,7 @@ def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, di
         else:
             run = f"{r.get('status')}: {r.get('passed', 0)} passed, {r.get('failed', 0)} failed"
             acc = (r.get("acceptance") or {}).get("verdict", "—")
-            why = f"{r['class']}: {r.get('reason', '')[:240]}" if r.get("class") else ""
+            why = f"{r['class']}: {r.get('reason', '')}" if r.get("class") else ""
         secs = f"{r.get('seconds', 0) / 60:.1f} min" if r.get("status") != NOT_RUNNABLE else ""
         out.append(f"| {v} | {static} | {run} | {acc} | {why.replace('|', '/')} | {secs} |")
     return "\n".join(out)
