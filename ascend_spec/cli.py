@@ -29,6 +29,9 @@ DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main("
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-spec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    # parsed by ascend_spec.upgrade.cli (see main); listed here for --help
+    sub.add_parser("upgrade-check", add_help=False,
+                   help="before a vLLM bump: API drift, and with --run-tests the parity suite and acceptance gate")
     g = sub.add_parser("generate", help="generate text (speculative decoding on by default)")
     g.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint folder (default: bundled)")
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
@@ -182,6 +185,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["upgrade-check"]:
+        from .upgrade.cli import main as upgrade_check
+
+        return upgrade_check(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

