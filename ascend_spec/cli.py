@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
     add_inspect_parser(sub)
+    c = sub.add_parser("cache", help="the on-disk cache of compiled graphs ($ASCEND_SPEC_CACHE_DIR, "
+                                     "default ~/.cache/ascend-spec)")
+    actions = c.add_subparsers(dest="action", required=True)
+    info = actions.add_parser("info", help="the cache folder, its entries (label, size, age) and total size")
+    info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    actions.add_parser("clear", help="remove every cached compiled graph (the next run compiles again)")
+    c.set_defaults(func=cmd_cache)
     return ap
 
 
@@ -144,8 +151,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = TextTokenizer(args.model)
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
     engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)
-    if engine.backend_name != "eager":
-        engine.warmup(progress=not args.json)
+    # A bar on stderr while graphs compile; --json keeps stdout clean either way.
+    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json)
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
                                               seed=args.seed)
     tokens_per_s = stats.generated_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
@@ -164,6 +171,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "num_steps": stats.num_steps,
             "host_syncs_per_step": stats.host_syncs_per_step,
             "recompiles_after_warmup": stats.recompiles_after_warmup,
+            "graphs_compiled": stats.graphs_compiled,
+            "compile_seconds": round(stats.compile_seconds, 2),
             # measured on fused steps only (the step-by-step path interleaves host work with its graph calls)
             "host_us_per_step": (round(1e6 * stats.host_seconds / sum(stats.steps_per_k.values()), 1)
                                  if stats.steps_per_k else None),
@@ -181,6 +190,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
         line += (f" | acceptance {metrics.acceptance_rate:.2f}, mean accepted length "
                  f"{metrics.mean_accepted_length:.2f}")
     write_result("\n".join(parts + [line]), args.output)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _age(seconds: float) -> str:
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    # CacheDirError (a folder others can write) is a ValueError: main prints it and exits 2.
+    from .graph.backends.compile_cache import CompileCache, folder_size
+
+    cache = CompileCache()
+    entries = cache.entries()
+    inductor_bytes = folder_size(cache.inductor_dir) if cache.inductor_dir.is_dir() else 0
+    if args.action == "clear":
+        freed = cache.clear()
+        for e in entries:
+            print(f"removed {e.path} ({e.what or 'unreadable'}, {_size(e.size)})")
+        if inductor_bytes:
+            print(f"removed {cache.inductor_dir} (inductor working cache, {_size(inductor_bytes)})")
+        print(f"freed {_size(freed)} in {cache.root}")
+        return 0
+    total = sum(e.size for e in entries) + inductor_bytes
+    if args.json:
+        print(json.dumps({
+            "root": str(cache.root),
+            "entries": [{"digest": e.digest, "what": e.what, "size_bytes": e.size, "age_seconds": round(e.age_seconds),
+                         "torch_version": e.torch_version, "path": str(e.path), "problem": e.problem}
+                        for e in entries],
+            "inductor_dir": str(cache.inductor_dir), "inductor_bytes": inductor_bytes, "total_bytes": total,
+        }, indent=2))
+        return 0
+    print(f"compile cache: {cache.root}")
+    for e in entries:
+        note = f"  ({e.problem}: removed at the next load)" if e.problem else ""
+        print(f"  {e.digest}  {e.what or '?':<24} {_size(e.size):>10}  {_age(e.age_seconds):>8}  "
+              f"torch {e.torch_version or '?'}{note}")
+    if inductor_bytes:
+        print(f"  inductor working cache {cache.inductor_dir}: {_size(inductor_bytes)}")
+    print(f"total: {len(entries)} entries, {_size(total)}")
     return 0
 
 

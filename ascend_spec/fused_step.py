@@ -4,9 +4,10 @@ The torchair way: a decode step is a single replay. The graph also advances the 
 (the next step's input tokens and start positions) from its own outputs, so the host only reads the step's
 tokens back for bookkeeping and builds nothing per step while the batch composition stays the same.
 
-Graphs are keyed by (batch bucket, K, sampling mode): ``K = 0`` is plain decoding, so speculation can be
-switched off per bucket (see ``adaptive_k``). The block table's width is the context bucket (a multiple of the
-block size), so short contexts do not attend over ``max_model_len`` keys.
+Graphs are keyed by (K, sampling mode, logprobs) — and the batch bucket only on backends that compile per
+shape (torchair): ``K = 0`` is plain decoding, so speculation can be switched off per bucket (see
+``adaptive_k``). The context is data: the block table is an input (on CPU trimmed to the live blocks, a dynamic
+width), never a graph key.
 """
 from __future__ import annotations
 
@@ -17,19 +18,31 @@ from typing import Callable
 import torch
 
 from . import spec_decode
-from .graph.backends.base import Backend, clone_with_name
+from .graph.backends.base import Backend, DynamicDims, clone_with_name
 from .graph.buckets import note_graph_failure
-from .graph.config import KV_BLOCK_SIZE
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_draft_step, make_target_step, slots_for
 from .proposer import shift_in_next_tokens
 from .sampling import SamplingTensors
 
 GREEDY, RANDOM = "greedy", "random"
-SpecStep = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+#: top logprobs a logprobs graph returns per token (vLLM's default ``max_logprobs``); requests take their N of them
+MAX_LOGPROBS = 20
+SpecStep = Callable[..., tuple[torch.Tensor, ...]]
+#: the fused step's batch arguments (input_ids … exponential) and its block table (argument 3)
+SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(11)), width=(3,))
 
 
-def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str) -> SpecStep:
+def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """logits [B, Q, V], sampled [B, Q] (−1 placeholders allowed) → (top ids, top logprobs [B, Q, n],
+    sampled token's logprob [B, Q]); raw log-softmax of the target's logits, as vLLM's default reports."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[..., :0], sampled.new_zeros(*sampled.shape, 0))
+    return top_ids, top_lp, lp.gather(-1, sampled.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
+                   logprobs: bool = False) -> SpecStep:
     """The fused step for ``K = k`` drafts per request (``k = 0``: decode without speculation).
 
     Inputs (``B`` rows, pad rows have ``live`` False and write nothing):
@@ -38,7 +51,8 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     tensors ``temperature, top_k, top_p, greedy [B]`` and the noise ``uniform [B, k]``, ``exponential [B, V]``
     (unused in greedy mode), then the target caches and the draft cache.
     Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
-    ``input_ids [B, 1+k]`` and ``start [B]``.
+    ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
+    ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``.
     """
     if mode not in (GREEDY, RANDOM):
         raise ValueError(f"mode={mode!r}; allowed: {[GREEDY, RANDOM]}")
@@ -46,6 +60,7 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     draft = make_draft_step(model, k, max_model_len) if k else None
     vocab = model.cfg.vocab_size
     q = 1 + k
+    n_logprobs = min(MAX_LOGPROBS, vocab)
 
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -66,9 +81,10 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
                              any_top_k=mode == RANDOM, any_top_p=mode == RANDOM)
         noise = spec_decode.RejectionNoise(uniform, exponential) if mode == RANDOM else None
         sampled = spec_decode.rejection_sample(input_ids[:, 1:], nd, logits, st, None, None, noise)
+        extra = top_logprobs(logits, sampled, n_logprobs) if logprobs else ()
         if draft is None:
             valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
-            return sampled, valid, sampled.long(), start + 1
+            return sampled, valid, sampled.long(), start + 1, *extra
         discard = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         next_ids, valid = spec_decode.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0], vocab)
         qsl = torch.arange(b + 1, device=input_ids.device) * q
@@ -77,27 +93,24 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
         draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
         drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
         next_input = torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1)
-        return sampled, valid, next_input, start + valid.long()
+        return sampled, valid, next_input, start + valid.long(), *extra
 
     return spec_step
 
 
-def context_buckets(max_model_len: int, smallest: int = 128) -> list[int]:
-    """Context widths (tokens, multiples of the block size): powers of two from ``smallest`` up to ``max_model_len``."""
-    top = -(-max_model_len // KV_BLOCK_SIZE) * KV_BLOCK_SIZE
-    sizes, w = [], max(KV_BLOCK_SIZE, smallest)
-    while w < top:
-        sizes.append(w)
-        w *= 2
-    return sizes + [top]
-
-
 @dataclass(frozen=True, slots=True)
 class StepKey:
-    batch: int
+    """One compiled fused step. ``batch`` is None on dynamic-batch backends (one graph for every bucket)."""
+
     k: int
     mode: str
-    context: int  # tokens the block table covers
+    logprobs: bool = False
+    batch: int | None = None
+
+    @property
+    def tag(self) -> str:
+        return (f"spec_k{self.k}_{self.mode}" + ("_logprobs" if self.logprobs else "")
+                + ("" if self.batch is None else f"_bs{self.batch}"))
 
 
 class SpecStepGraphs:
@@ -107,24 +120,30 @@ class SpecStepGraphs:
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
-        self._fns: dict[tuple[int, str], SpecStep] = {}
+        self._fns: dict[tuple[int, str, bool], SpecStep] = {}
         self._graphs: dict[StepKey, SpecStep] = {}
-        self.compile_seconds: dict[StepKey, float] = {}
         #: run-time failures per key; each such step reran on the eager definition (same outputs, same cache writes)
         self.failures: dict[StepKey, int] = {}
+
+    def key(self, bucket: int, k: int, mode: str, logprobs: bool = False) -> StepKey:
+        return StepKey(k, mode, logprobs, None if self.backend.shapes.dynamic_batch else bucket)
 
     def __contains__(self, key: StepKey) -> bool:
         return key in self._graphs
 
+    def _fn(self, key: StepKey) -> SpecStep:
+        fn = self._fns.get((key.k, key.mode, key.logprobs))
+        if fn is None:
+            fn = self._fns[(key.k, key.mode, key.logprobs)] = make_spec_step(
+                self.model, key.k, self.max_model_len, key.mode, key.logprobs)
+        return fn
+
     def get(self, key: StepKey) -> SpecStep:
         graph = self._graphs.get(key)
         if graph is None:
-            fn = self._fns.get((key.k, key.mode))
-            if fn is None:
-                fn = self._fns[(key.k, key.mode)] = make_spec_step(self.model, key.k, self.max_model_len, key.mode)
-            tag = f"spec_k{key.k}_{key.mode}_bs{key.batch}_ctx{key.context}"
             # A code object per key: each graph gets its own Dynamo cache entry (see clone_with_name).
-            graph = self._graphs[key] = self.backend.compile(clone_with_name(fn, tag), tag)
+            graph = self._graphs[key] = self.backend.compile(clone_with_name(self._fn(key), key.tag), key.tag,
+                                                             SPEC_STEP_DIMS)
         return graph
 
     def __call__(self, key: StepKey, *args: object) -> tuple[torch.Tensor, ...]:
@@ -134,8 +153,8 @@ class SpecStepGraphs:
         try:
             return graph(*args)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault costs this step only
-            note_graph_failure(self.failures, key, f"fused step {key}", exc)
-            return self._fns[(key.k, key.mode)](*args)
+            note_graph_failure(self.failures, key, f"fused step {key.tag}", exc)
+            return self._fn(key)(*args)
 
 
 def time_call(fn: Callable[[], object], repeats: int) -> float:

@@ -50,3 +50,31 @@ class SpecMetrics:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
         }
+
+
+@dataclass
+class RunStats:
+    """One ``Engine.generate`` run, counted on the host."""
+
+    backend: str
+    num_steps: int = 0
+    request_steps: int = 0  # Σ over steps of the batch size
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    host_syncs: int = 0
+    host_sync_events: list[str] = field(default_factory=list)
+    #: graphs Dynamo compiled during the run after warm-up (0 when every path replays warm graphs)
+    recompiles_after_warmup: int = 0
+    preemptions: int = 0
+    #: warm-up: graphs compiled and the seconds it took (0 when already warm)
+    graphs_compiled: int = 0
+    compile_seconds: float = 0.0
+    #: fused path: steps run per K, and the K each bucket would choose at the end of the run
+    steps_per_k: dict[int, int] = field(default_factory=dict)
+    k_by_bucket: dict[int, int] = field(default_factory=dict)
+    #: host-side seconds per step outside the graph call (input building, bookkeeping)
+    host_seconds: float = 0.0
+
+    @property
+    def host_syncs_per_step(self) -> float:
+        return self.host_syncs / self.num_steps if self.num_steps else 0.0

@@ -70,14 +70,14 @@ class MtpProposer:
         """Run one inert draft (every row padded) for ``num_reqs`` requests, e.g. to warm up."""
         self._run_draft(*self._inert_batch(num_reqs))
 
-    def _inert_batch(self, num_reqs: int) -> list[torch.Tensor]:
+    def _inert_batch(self, num_reqs: int, width: int | None = None) -> list[torch.Tensor]:
         """Draft-step inputs in the verify layout (Q = 1 + K) whose rows are all padding: slot -1, seq_len 0."""
         q = 1 + self.num_speculative_tokens
         dev = self.draft_cache.device
         ids = torch.zeros(num_reqs, q, dtype=torch.long, device=dev)
         per_req = torch.zeros(num_reqs, dtype=torch.long, device=dev)
         hidden = torch.zeros(num_reqs, q, self.model.cfg.hidden_size, dtype=self.draft_cache.dtype, device=dev)
-        table = torch.zeros(num_reqs, num_blocks_for(self.max_model_len), dtype=torch.long, device=dev)
+        table = torch.zeros(num_reqs, width or num_blocks_for(self.max_model_len), dtype=torch.long, device=dev)
         return [ids, ids, hidden, per_req, torch.full_like(ids, -1), table, per_req]
 
     # -- padded bookkeeping (vLLM's names; no host syncs) ---------------------------------------

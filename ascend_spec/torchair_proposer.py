@@ -11,13 +11,17 @@ import torch
 
 from .config import SpeculativeConfig
 from .graph.backends import Backend, get_backend
+from .graph.attention import num_blocks_for
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
 from .sync_counter import suspended_if_compiled
 
+#: block-table width of warm-up batches on trimming backends: distinct from the warm-up batch size (2), so
+#: Dynamo gives the two dynamic dimensions separate symbols
+WARMUP_WIDTH = 3
 DRAFT_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("hidden", 0.0),
-                    BatchArg("sample_idx", 0), BatchArg("slot_mapping", -1), BatchArg("block_table", 0),
+                    BatchArg("sample_idx", 0), BatchArg("slot_mapping", -1), BatchArg("block_table", 0, width=True),
                     BatchArg("seq_lens", 0))
 
 
@@ -30,12 +34,17 @@ class MtpTorchairProposer(MtpProposer):
         super().__init__(model, spec, max_model_len, draft_cache)
 
     def load_model(self, model: DeepseekV3ForCausalLM) -> None:
+        model.set_attention_kernel(self.backend.attention_kernel)
         super().load_model(model)
         self.graph = BucketedGraph(self.backend, self._draft_fn, "draft", self.batch_sizes, DRAFT_BATCH_ARGS)
 
-    def warmup(self, progress: bool = True) -> dict[int, float]:
-        """Compile every bucket (verify layout, Q = 1 + K), largest first."""
-        example = self._inert_batch(self.graph.max_size)
+    def warmup(self, progress: bool = True, width: int | None = None) -> dict[int, float]:
+        """Compile the draft graph(s) (verify layout, Q = 1 + K): one per bucket, largest first, where the backend
+        compiles per shape. ``width``: the warm-up block-table width (default: the full ``max_model_len``, or on
+        backends that take trimmed tables a small one, distinct from the warm-up batch size)."""
+        if width is None and self.backend.shapes.trim_context:
+            width = min(WARMUP_WIDTH, num_blocks_for(self.max_model_len))
+        example = self._inert_batch(self.graph.max_size, width)
         with torch.no_grad():
             return self.graph.warmup(example, (self.draft_cache,), progress=progress)
 

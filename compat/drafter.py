@@ -38,6 +38,7 @@ import torch
 from ascend_spec import spec_decode
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
@@ -348,12 +349,15 @@ def build_adapter_class(base: type) -> type:
                     self.ascend_stats.graph_calls += 1
                 else:
                     self.ascend_stats.eager_calls += 1
-            width = self._ascend.draft_cache.shape[1]
+            block = self._ascend.draft_cache.shape[1]
+            full = (self.max_model_len + block - 1) // block
+            # Context is data: on backends that compile a dynamic width the table covers the live blocks only
+            # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
+            width = live_blocks(f.max_seq_len + k, full) if self._ascend.backend.shapes.trim_context else full
             inputs = DraftInputs(
                 target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
                 next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
-                block_table=_fit_width(f.block_table_tensor[:b], (self.max_model_len + width - 1) // width),
-                seq_lens=f.seq_lens[:b].long())
+                block_table=_fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long())
             with torch.inference_mode():
                 draft = self._ascend.propose(inputs)
             self.ascend_stats.graph_failures = self._ascend.graph.num_failures

@@ -207,6 +207,7 @@ class AttnFields:
     num_reqs: int
     num_actual_tokens: int
     max_query_len: int
+    max_seq_len: int  # host-side upper bound of seq_lens (optimistic under async scheduling: never short)
     block_table_tensor: torch.Tensor  # [B, M] int32
     slot_mapping: torch.Tensor  # [T] int64
 
@@ -223,6 +224,7 @@ def attn_fields(common_attn_metadata: Any) -> AttnFields:
         num_reqs=int(common_attn_metadata.num_reqs),
         num_actual_tokens=int(common_attn_metadata.num_actual_tokens),
         max_query_len=int(common_attn_metadata.max_query_len),
+        max_seq_len=int(common_attn_metadata.max_seq_len),
         block_table_tensor=common_attn_metadata.block_table_tensor,
         slot_mapping=common_attn_metadata.slot_mapping,
     )

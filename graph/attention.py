@@ -3,11 +3,10 @@
 One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`` = 576 floats, the layout of vLLM's
 MLA cache (``[num_blocks, block_size, 576]``). The paged path uses the "absorbed" form: queries are
 projected into the latent space with ``W_UK`` and outputs leave it with ``W_UV``, so keys and values are
-never materialised per head. The dense path (training) materialises them; both compute the same function.
+never materialised per head. The dense path (training) materialises them; both compute the same function. The paged step's attention
+proper (latent queries against each request's cached blocks) is a seam: :mod:`.mla_kernels`.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,15 +14,7 @@ from torch import nn
 
 from .config import KV_BLOCK_SIZE, ModelConfig
 from .layers import RMSNorm, RotaryEmbedding
-
-
-class PagedInputs(NamedTuple):
-    """Per-forward attention inputs, all fixed-shape. ``B`` requests × ``Q`` query tokens each."""
-
-    positions: torch.Tensor  # [B, Q] int64
-    slot_mapping: torch.Tensor  # [B, Q] int64; -1 = write nothing (pad rows / pad tokens)
-    block_table: torch.Tensor  # [B, M] int32/int64; block ids of each request, in position order
-    seq_lens: torch.Tensor  # [B] int64; tokens in the cache after this forward (0 for pad rows)
+from .mla_kernels import MLAKernel, PagedInputs, gather_mla
 
 
 def write_latent_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
@@ -63,6 +54,8 @@ class MLAttention(nn.Module):
     #: projection (vLLM's ``fused_qkv_a_proj``), and the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.
     fused_a_proj: nn.Module | None = None
     absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: the paged attention kernel (see :mod:`.mla_kernels`); chosen per backend by ``set_attention_kernel``
+    kernel: MLAKernel = staticmethod(gather_mla)  # type: ignore[assignment]
 
     # -- shared projections ---------------------------------------------------------------------
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -96,21 +89,9 @@ class MLAttention(nn.Module):
         write_latent_cache(cache, inp.slot_mapping.reshape(-1),
                            torch.cat([c_kv, k_pe], dim=-1).reshape(b * q_len, cfg.latent_dim))
 
-        ctx = cache[inp.block_table.long()].flatten(1, 2)  # [B, M*block, L]
-        ctx_c, ctx_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
-        scores = torch.einsum("bqhc,bkc->bqhk", q_lat, ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe, ctx_pe)
-        scores = scores.float() * cfg.softmax_scale
-
-        key_pos = torch.arange(ctx.shape[1], device=x.device)
-        visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
-            key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
-        # Key 0 stays visible so that pad rows (seq_len 0) get a finite, discarded result, not NaN.
-        visible = visible | (key_pos == 0).view(1, 1, -1)
-        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(ctx_c.dtype)
-        o_lat = torch.einsum("bqhk,bkc->bqhc", probs, ctx_c)
+        o_lat = self.kernel(q_lat, q_pe, cache, inp, cfg.softmax_scale)
         out = torch.einsum("bqhc,hvc->bqhv", o_lat, w_uv)
         return self.o_proj(out.reshape(b, q_len, -1))
 

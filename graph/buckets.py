@@ -1,8 +1,11 @@
-"""Batch buckets: one compiled graph per padded batch size, replayed every step.
+"""Batch buckets: padded batch sizes whose graphs are replayed every step.
 
 Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
 fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
 outputs back to ``b`` rows. Batches above the largest bucket run eagerly, with one warning.
+How many graphs that takes is the backend's :class:`~.backends.base.ShapePolicy`: one compile with a dynamic
+batch serving every bucket (inductor; on CPU rows are not even padded beyond ``min_batch``), or one per bucket
+(torchair's GE graphs).
 
 A compiled graph that raises at run time (a backend or runtime fault) costs that step, not the engine: the
 step reruns on the eager reference, which computes the same outputs and rewrites the same cache slots with
@@ -20,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from .backends.base import Backend, compile_per_bucket
+from .backends.base import Backend, DynamicDims, compile_per_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class BatchArg:
 
     name: str
     pad_value: float | int
+    #: dim 1 is the block-table width (trimmed to the live blocks by callers on ``trim_context`` backends)
+    width: bool = False
 
 
 class BucketedGraph:
@@ -53,9 +58,12 @@ class BucketedGraph:
         self.backend = backend
         self.eager_fn = fn
         self.prefix = prefix
-        self.sizes = sorted(set(sizes))
+        self.shapes = backend.shapes
+        self.sizes = sorted({max(s, self.shapes.min_batch) for s in sizes})
         self.batch_args = tuple(batch_args)
-        self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes)
+        self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
+                                width=tuple(i for i, a in enumerate(self.batch_args) if a.width))
+        self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims)
         self._buffers: dict[str, torch.Tensor] = {}
         self._warned_eager = False
         self.compile_seconds: dict[int, float] = {}
@@ -71,8 +79,18 @@ class BucketedGraph:
         return self.sizes[-1]
 
     def bucket_for(self, batch: int) -> int | None:
-        i = bisect.bisect_left(self.sizes, batch)
-        return self.sizes[i] if i < len(self.sizes) else None
+        """Rows the graph runs for ``batch`` requests; None above the largest bucket (eager)."""
+        if batch > self.max_size:
+            return None
+        if self.shapes.exact_batch:
+            return max(batch, self.shapes.min_batch)
+        return self.sizes[bisect.bisect_left(self.sizes, batch)]
+
+    def warm_sizes(self) -> list[int]:
+        """Sizes warm-up runs: one per compiled graph, largest first (as nano-vllm captures)."""
+        if self.shapes.dynamic_batch and not self.backend.reuses_outputs:
+            return [self.sizes[0]]
+        return sorted(self.sizes, reverse=True)
 
     def _buffer(self, arg: BatchArg, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(arg.name)
@@ -100,7 +118,7 @@ class BucketedGraph:
             buf[b:bucket].fill_(arg.pad_value)
             padded.append(buf[:bucket])
         try:
-            outputs = self.graphs[bucket](*padded, *static_inputs)
+            outputs = self.graphs[bucket if bucket in self.graphs else self.sizes[0]](*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
             note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
@@ -110,8 +128,8 @@ class BucketedGraph:
 
     def warmup(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
                progress: bool = True) -> dict[int, float]:
-        """Compile every bucket, largest first (as nano-vllm captures), with all rows padded (inert)."""
-        for size in tqdm(sorted(self.sizes, reverse=True), desc=f"compile {self.prefix}", disable=not progress):
+        """Compile (and on CUDA capture) every graph, with all rows padded (inert)."""
+        for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
             padded = []
             for arg, x in zip(self.batch_args, example_batch_inputs):

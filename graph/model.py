@@ -16,10 +16,24 @@ from torch import nn
 from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
 from .layers import MLP, RMSNorm, RotaryEmbedding
+from .mla_kernels import KERNELS
 from .moe import MoE
 
 
+def _decoder_layer_paged(layer: "DecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
+    h = x + layer.self_attn.forward_paged(layer.input_layernorm(x), inp, cache)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+#: One compile of a layer body, replayed for every layer of the same structure and input shapes (inductor
+#: compiles it once instead of once per layer: start-up is a feature). Eager, it is the plain function.
+_decoder_layer_region = torch.compiler.nested_compile_region(_decoder_layer_paged)
+
+
 class DecoderLayer(nn.Module):
+    #: set by ``DeepseekV3ForCausalLM.set_compile_regions``
+    compile_region = False
+
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -29,8 +43,7 @@ class DecoderLayer(nn.Module):
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn.forward_paged(self.input_layernorm(x), inp, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return (_decoder_layer_region if self.compile_region else _decoder_layer_paged)(self, x, inp, cache)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn.forward_dense(self.input_layernorm(x))
@@ -92,6 +105,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = DeepseekV3Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def set_attention_kernel(self, name: str) -> None:
+        """Every layer's paged attention runs ``name`` (see :mod:`.mla_kernels`); all compute the same function."""
+        if name not in KERNELS:
+            raise ValueError(f"attention kernel {name!r}; allowed: {sorted(KERNELS)}")
+        for layer in self.model.layers:
+            layer.self_attn.kernel = KERNELS[name]
+        self.attention_kernel = name
+
+    attention_kernel = "gather"
+
+    def set_compile_regions(self, enabled: bool) -> None:
+        """Compile each decoder layer as a nested region shared by the layers alike (see ``_decoder_layer_region``)."""
+        for layer in self.model.layers:
+            layer.compile_region = enabled
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:

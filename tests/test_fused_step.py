@@ -4,7 +4,8 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.fused_step import choose_k, context_buckets, expected_tokens_per_step
+from ascend_spec.fused_step import choose_k, expected_tokens_per_step
+from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -53,14 +54,18 @@ def test_fused_near_max_model_len(trained_dir, prompts):
     assert m.as_dict() == ref_m.as_dict()
 
 
-def test_logprobs_request_leaves_the_fused_path_and_back(trained_dir, prompts):
-    """A request asking for logprobs runs the step-by-step path (drafts brought to the host), the others fused."""
+def test_logprobs_request_stays_on_the_fused_path(trained_dir, prompts):
+    """A request asking for logprobs: the fused graph returns the target's top logprobs; same tokens and the same
+    logprobs as the step-by-step path, every step fused."""
     params = [SamplingParams(), SamplingParams(logprobs=2), SamplingParams(), SamplingParams(), SamplingParams()]
     ref, _, _ = _engine(trained_dir, 2, fused=False).generate(prompts, params, MAX_TOKENS)
     got, stats, _ = _engine(trained_dir, 2, fused=True).generate(prompts, params, MAX_TOKENS)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert got[1].logprobs == ref[1].logprobs
-    assert 0 < sum(stats.steps_per_k.values()) < stats.num_steps  # some steps fused, some not
+    assert len(got[1].logprobs) == len(got[1].token_ids) and got[0].logprobs is None
+    for mine, theirs in zip(got[1].logprobs, ref[1].logprobs):
+        assert mine.keys() == theirs.keys()
+        assert list(mine.values()) == pytest.approx(list(theirs.values()), abs=1e-5)
+    assert sum(stats.steps_per_k.values()) == stats.num_steps
 
 
 def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts):
@@ -92,28 +97,40 @@ def test_acceptance_tracker_counts_conditional_rates():
     assert t.rates() == pytest.approx([3 / 4, 2 / 4, 2 / 3])
 
 
-def test_context_buckets_cover_max_model_len():
-    assert context_buckets(256) == [128, 256]
-    assert context_buckets(1000) == [128, 256, 512, 1008]
-    assert context_buckets(100) == [112]
-    for n in (40, 256, 700):
-        assert context_buckets(n)[-1] >= n and all(c % 16 == 0 for c in context_buckets(n))
+def test_live_blocks_cover_the_longest_request():
+    assert live_blocks(1, 64) == 2  # never one column: a size-1 dimension would specialise the compiled graph
+    assert live_blocks(33, 64) == 3
+    assert live_blocks(5000, 64) == 64  # capped at the table width
+    for n in (17, 160, 700):
+        assert live_blocks(n, 1000) * 16 >= n > (live_blocks(n, 1000) - 1) * 16
 
 
-def test_fused_graph_compiles_once_per_key(trained_dir, prompts):
-    """inductor: every (bucket, K, context) graph compiles at warm-up; a run then compiles nothing."""
+def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
+    """inductor: one fused graph per (K, sampling mode, logprobs) — no batch bucket, no context width in the
+    key. Warm-up compiles what the requests need; the run (batches 1..4, contexts from the prompt to
+    max_model_len, greedy, seeded random and logprobs rows) compiles nothing and makes no host sync."""
     from ascend_spec.engine import dynamo_compile_count
 
-    eng = load_engine(trained_dir, EngineConfig(max_model_len=160, max_num_seqs=2,
-                                                speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2))),
-                      count_host_syncs=True)
-    eng.warmup(progress=False)
+    cfg = EngineConfig(max_model_len=160, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2),
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)))
+    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
+              SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
+    report = eng.warmup_for(params)
+    assert report.graphs_compiled == 4  # greedy, random, greedy + logprobs, random + logprobs
+    assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (1, 2, 4)
+                                            for m in ("greedy", "random") for lp in (False, True)}
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
-        got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [70, 20, 40])
+        got, stats, _ = eng.generate(prompts, params, [150, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
+        greedy, gstats, _ = eng.generate(prompts[:3], SamplingParams(), [150, 20, 40])
     assert dynamo_compile_count() == before
-    assert stats.host_syncs == 0
+    assert stats.recompiles_after_warmup == 0 and gstats.recompiles_after_warmup == 0
+    assert stats.host_syncs == 0 and gstats.host_syncs == 0
+    assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(prompts[:3], SamplingParams(),
-                                                                                 [70, 20, 40])
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+                                                                                 [150, 20, 40])
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in ref]
+    ref_mixed, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(
+        prompts, params, [150, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]

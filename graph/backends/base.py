@@ -2,11 +2,38 @@
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
 GraphFn = Callable[..., object]
+
+
+@dataclass(frozen=True, slots=True)
+class ShapePolicy:
+    """What a backend needs static. Context length is data everywhere; the batch is a graph dimension only
+    where the hardware asks (CUDA graphs and GE graphs replay one batch size each).
+
+    - ``dynamic_batch``: one compile serves every batch size (inductor); False: one compile per bucket (torchair).
+    - ``exact_batch``: run the live row count, no bucket padding (CPU inductor, eager); False: pad to buckets.
+    - ``trim_context``: callers pass block tables trimmed to the live blocks (a dynamic width); False: the full
+      width, and the attention kernel skips dead blocks itself (FlexAttention, the NPU fused op).
+    - ``min_batch``: rows are padded to at least this (a size-1 dimension specialises a dynamic compile).
+    """
+
+    dynamic_batch: bool
+    exact_batch: bool
+    trim_context: bool
+    min_batch: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicDims:
+    """Which arguments of a graph function carry the batch (dim 0) and the block-table width (dim 1)."""
+
+    batch: tuple[int, ...]
+    width: tuple[int, ...] = ()
 
 
 class BackendUnavailable(RuntimeError):
@@ -17,9 +44,13 @@ class Backend(Protocol):
     name: str
     #: True when a replay overwrites the previous replay's outputs (CUDA graphs, NPU graphs): callers clone.
     reuses_outputs: bool
+    shapes: ShapePolicy
+    #: the paged attention kernel the graphs use (graph.mla_kernels.KERNELS)
+    attention_kernel: str
 
-    def compile(self, fn: GraphFn, tag: str) -> GraphFn:
-        """Return the graph-mode version of ``fn``; ``tag`` names the bucket, e.g. ``draft_bs8``."""
+    def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
+        """Return the graph-mode version of ``fn``; ``tag`` names it, e.g. ``draft`` or ``draft_bs8``. ``dims``:
+        its batch and width dimensions, compiled dynamic where ``shapes.dynamic_batch`` (ignored otherwise)."""
         ...
 
 
@@ -35,7 +66,12 @@ def clone_with_name(fn: GraphFn, name: str) -> GraphFn:
     return clone
 
 
-def compile_per_bucket(backend: Backend, fn: GraphFn, prefix: str, sizes: list[int]) -> dict[int, GraphFn]:
+def compile_per_bucket(backend: Backend, fn: GraphFn, prefix: str, sizes: list[int],
+                       dims: DynamicDims | None = None) -> dict[int, GraphFn]:
+    """One graph per bucket; on a dynamic-batch backend one graph shared by every bucket."""
+    if backend.shapes.dynamic_batch:
+        graph = backend.compile(clone_with_name(fn, prefix), prefix, dims)
+        return {size: graph for size in sizes}
     return {size: backend.compile(clone_with_name(fn, f"{prefix}_bs{size}"), f"{prefix}_bs{size}") for size in sizes}
 
 

@@ -1,19 +1,56 @@
-"""torch.compile: plain inductor on CPU, ``reduce-overhead`` (CUDA graphs) on CUDA."""
+"""torch.compile: plain inductor on CPU, ``reduce-overhead`` (CUDA graphs) on CUDA.
+
+One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions:
+inductor's kernels take the sizes as arguments, so every bucket and every context length replays the same
+artifact. On CUDA, CUDA graph trees capture one graph per batch bucket from that artifact; the block table
+keeps its full width there (a captured graph has fixed shapes) and FlexAttention visits only live blocks.
+
+Compile time: each decoder layer is a nested compile region (``graph.model.DecoderLayer``), so inductor
+compiles one layer body and reuses it for every layer of the same shape.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
-from .base import GraphFn
+from .base import DynamicDims, GraphFn, ShapePolicy
+
+
+def mark_dims(args: tuple[Any, ...], dims: DynamicDims) -> None:
+    for i in dims.batch:
+        torch._dynamo.maybe_mark_dynamic(args[i], 0)
+    for i in dims.width:
+        torch._dynamo.maybe_mark_dynamic(args[i], 1)
 
 
 class InductorBackend:
     name = "inductor"
+    #: compiled layers are nested compile regions (torchair's GE converter has no such op; it compiles flat)
+    compile_regions = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.mode = "reduce-overhead" if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.mode = "reduce-overhead" if cuda else None
         # CUDA graph replays overwrite their static outputs.
-        self.reuses_outputs = device.type == "cuda"
+        self.reuses_outputs = cuda
+        self.shapes = (ShapePolicy(dynamic_batch=True, exact_batch=False, trim_context=False, min_batch=2) if cuda
+                       else ShapePolicy(dynamic_batch=True, exact_batch=True, trim_context=True, min_batch=2))
+        self.attention_kernel = "flex" if cuda else "gather"
 
-    def compile(self, fn: GraphFn, tag: str) -> GraphFn:
-        return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
+    def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
+        if dims is None:
+            return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode)
+        marked = False
+
+        def call(*args: Any) -> Any:
+            nonlocal marked
+            if not marked:  # the first call compiles: mark the dynamic dimensions of its inputs
+                mark_dims(args, dims)
+                marked = True
+            return compiled(*args)
+
+        call.__name__ = tag
+        return call

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .base import BackendUnavailable, GraphFn
+from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
 
 #: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
 _MODE_ALIASES = {"max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead", "npugraph_ex": "npugraph_ex"}
@@ -61,6 +61,11 @@ def _import_torchair() -> Any:
 class TorchairBackend:
     name = "torchair"
     reuses_outputs = True
+    #: GE graphs are compiled per shape: one per batch bucket, full-width block tables; the fused attention op
+    #: reads each request's blocks up to its actual length.
+    shapes = ShapePolicy(dynamic_batch=False, exact_batch=False, trim_context=False)
+    attention_kernel = "npu"
+    compile_regions = False
 
     def __init__(self, opts: TorchairOptions) -> None:
         self.opts = opts
@@ -73,7 +78,7 @@ class TorchairBackend:
         self._npu_backend = self._torchair.get_npu_backend(compiler_config=config)
         self._config = config
 
-    def compile(self, fn: GraphFn, tag: str) -> GraphFn:
+    def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if self.opts.use_cached_graph:
             # One cache_compile per batch size; ``fn`` already carries a per-size co_name (clone_with_name),
             # so Dynamo does not invalidate one size's cache when another compiles.

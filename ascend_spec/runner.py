@@ -1,0 +1,534 @@
+"""The model runner: device batches, compiled graphs and their keys, warm-up, prefill and one decode step.
+
+One step (speculative, padded — DESIGN.md's data flow):
+1. target forward of ``B`` requests × ``(1+K)`` tokens
+2. rejection sampler → ``sampled [B, K+1]`` with -1 placeholders
+3. ``prepare_next_token_ids_padded`` → next token and valid count per request
+4. ``prepare_inputs_padded`` → last accepted index per request (no compaction)
+5-6. the proposer drafts K tokens for the next step
+The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_step`); the step-by-step path
+(``fused_step=False``, and vLLM's unpadded drafter layout) runs the target graph, sampling and the draft graph
+as separate calls. Either way 1-6 run without host syncs; afterwards one transfer brings the step's tokens to
+the host. The runner returns tokens; appending them and finishing requests is the scheduler's business.
+
+Graph keys: (K, sampling mode, logprobs) — the batch bucket too only where the backend compiles per shape.
+The block table is data; on CPU it is trimmed to the live blocks of the batch's longest request, so a step
+costs what the live context costs, whatever ``max_model_len`` is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import bisect
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from . import spec_decode
+from .config import EngineConfig
+from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, choose_k, time_call, top_logprobs
+from .graph.backends import Backend, get_backend
+from .graph.buckets import BatchArg, BucketedGraph
+from .graph.mla_kernels import live_blocks
+from .graph.model import DeepseekV3ForCausalLM
+from .graph.steps import make_target_step
+from .kv_cache import KVCaches
+from .metrics import RunStats
+from .proposer import DraftInputs
+from .sampling import SamplingParams, SamplingTensors, sample
+from .scheduler import AcceptanceTracker, Sequence, block_row, slots_of
+from .sync_counter import HostSyncCounter, suspended_if_compiled
+from .torchair_proposer import WARMUP_WIDTH, MtpTorchairProposer
+
+logger = logging.getLogger(__name__)
+
+TARGET_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("slot_mapping", -1),
+                     BatchArg("block_table", 0, width=True), BatchArg("seq_lens", 0))
+
+
+@dataclass
+class DeviceBatch:
+    """The running batch's next step inputs, on device, padded to its graph rows (pad rows: ``live`` False).
+
+    The fused graph advances ``input_ids`` and ``start`` itself; the host rebuilds the batch only when its
+    composition, K, sampling mode or logprobs change.
+    """
+
+    req_ids: tuple[int, ...]
+    k: int
+    mode: str
+    input_ids: torch.Tensor  # [Bp, 1+k]: last token, then the drafts
+    start: torch.Tensor  # [Bp]: position of input_ids[:, 0]
+    num_draft: torch.Tensor  # [Bp]
+    num_draft_host: list[int]  # the same, for the real rows (metrics)
+    block_table: torch.Tensor  # [Bp, M]: full width; each step passes the live columns
+    live: torch.Tensor  # [Bp] bool
+    sampling: SamplingTensors  # fields [Bp]
+    logprobs: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+
+@dataclass
+class StepOutput:
+    """One decode step's result for the running requests, in order."""
+
+    tokens: list[list[int]]  # accepted tokens of each row (1 .. 1+K)
+    num_draft: list[int]  # drafts verified in each row
+    k: int
+    #: per row, one {token_id: logprob} per token in ``tokens`` (rows that asked for logprobs), else None
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    #: step-by-step path: each row's next drafts (the fused path keeps them on device)
+    drafts: list[list[int]] | None = None
+
+
+@dataclass
+class WarmupReport:
+    graphs_compiled: int = 0
+    compile_seconds: float = 0.0
+    seconds_by_graph: dict[str, float] = field(default_factory=dict)
+
+
+def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
+    entry = dict(zip(top_ids[:n], top_lp[:n]))
+    entry[token] = tok_lp
+    return entry
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV3ForCausalLM, cfg: EngineConfig, device: torch.device, caches: KVCaches,
+                 acceptance: AcceptanceTracker, count_host_syncs: bool = False) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.caches = caches
+        self.acceptance = acceptance
+        self.count_host_syncs = count_host_syncs
+        self.spec = cfg.speculative
+        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        g = cfg.graph
+        self.backend: Backend = get_backend(
+            g.effective_backend, device, mode=g.mode, frozen_parameter=g.enable_frozen_parameter,
+            view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
+            use_cached_graph=g.use_cached_graph)
+        self.shapes = self.backend.shapes
+        model.set_attention_kernel(self.backend.attention_kernel)
+        model.set_compile_regions(getattr(self.backend, "compile_regions", False))
+        #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
+        self.batch_sizes = g.batch_sizes(cfg.max_num_seqs)
+        self._target_eager = make_target_step(model)
+        self.target_graph = BucketedGraph(self.backend, self._target_eager, "target", self.batch_sizes,
+                                          TARGET_BATCH_ARGS)
+        self.proposer: MtpTorchairProposer | None = None
+        if self.spec:
+            self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
+                                                backend=self.backend, batch_sizes=self.batch_sizes)
+        self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len)
+        self.k_by_bucket = {b: self.k for b in self.batch_sizes}
+        #: measured at warm-up when adaptive_k: seconds of one fused step per bucket and K
+        self.step_seconds: dict[int, dict[int, float]] = {}
+        #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
+        self.force_k: int | None = None
+        self._steps_at_k: dict[int, int] = {}
+        self._batch: DeviceBatch | None = None
+        self._pending_drafts: dict[int, list[int]] = {}
+        self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
+
+    # -- shapes ---------------------------------------------------------------------------------
+    @property
+    def max_blocks(self) -> int:
+        return self.caches.max_blocks_per_seq
+
+    def width_for(self, longest_tokens: int) -> int:
+        """Block-table columns a step passes: the live blocks on trimming backends, else the full width."""
+        if not self.shapes.trim_context:
+            return self.max_blocks
+        return live_blocks(min(longest_tokens, self.cfg.max_model_len), self.max_blocks)
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""
+        i = bisect.bisect_left(self.batch_sizes, batch)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def fused_applies(self, running: list[Sequence]) -> bool:
+        return (self.cfg.fused_step and self.target_graph.bucket_for(len(running)) is not None
+                and not (self.spec is not None and self.spec.disable_padded_drafter_batch)
+                and all((s.params.logprobs or 0) <= MAX_LOGPROBS for s in running))
+
+    # -- warm-up ----------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,),
+               logprobs: bool = False) -> WarmupReport:
+        """Compile every graph a run with sampling ``modes`` (and ``logprobs``) replays: the fused step per K
+        (every K in 0..K_max when ``adaptive_k``, then timed) — per batch bucket only where the backend compiles
+        per shape — or the target step and draft chain. A bar on stderr counts graphs; one summary line ends it."""
+        report = WarmupReport()
+        with torch.no_grad():
+            if self.cfg.fused_step:
+                self._warmup_fused(report, progress, modes, logprobs)
+            else:
+                self._warmup_step_by_step(report, progress)
+        if progress and report.graphs_compiled:
+            print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
+                  f"({self.backend.name}, attention '{self.backend.attention_kernel}')", file=sys.stderr)
+        return report
+
+    def _fused_warm_plan(self, modes: tuple[str, ...], logprobs: bool) -> list[tuple[int, int, str]]:
+        ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
+        if self.shapes.dynamic_batch and not self.backend.reuses_outputs:
+            rows = [self.target_graph.sizes[0]]
+        else:  # one graph (or CUDA graph capture) per bucket, largest first
+            rows = sorted(self.target_graph.sizes, reverse=True)
+        return [(r, k, mode) for r in rows for k in ks for mode in modes]
+
+    def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
+        plan = self._fused_warm_plan(modes, logprobs)
+        width = min(WARMUP_WIDTH, self.max_blocks) if self.shapes.trim_context else self.max_blocks
+        t_all = time.perf_counter()
+        with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
+                  disable=not progress, dynamic_ncols=True) as bar:
+            for rows, k, mode in plan:
+                batch = dataclasses.replace(self._inert_batch(rows, k), mode=mode, logprobs=logprobs)
+                key = self.spec_graphs.key(rows, k, mode, logprobs)
+                bar.set_postfix_str(key.tag)
+                t0 = time.perf_counter()
+                self._replay(batch, width, None)
+                report.seconds_by_graph[key.tag] = time.perf_counter() - t0
+                bar.update()
+        report.graphs_compiled = len(plan)
+        report.compile_seconds = time.perf_counter() - t_all
+        if self.cfg.adaptive_k:
+            for bucket in self.batch_sizes:
+                for k in range(self.k + 1):
+                    self.step_seconds.setdefault(bucket, {})[k] = self.time_step(bucket, k)
+        self._batch = None
+
+    def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
+        t0 = time.perf_counter()
+        width = min(WARMUP_WIDTH, self.max_blocks) if self.shapes.trim_context else self.max_blocks
+        ex = self._inert_target_inputs(self.target_graph.max_size, 1 + self.k, width)
+        times = self.target_graph.warmup(ex, (self.caches.target,), progress=progress)
+        report.seconds_by_graph.update({f"target_bs{b}": t for b, t in times.items()})
+        report.graphs_compiled += len(times)
+        if self.proposer is not None:
+            times = self.proposer.warmup(progress=progress)
+            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
+            report.graphs_compiled += len(times)
+        report.compile_seconds = time.perf_counter() - t0
+
+    def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
+        """Median seconds of one fused greedy step (``bucket`` rows, K, ``context`` tokens of block table) on an
+        inert batch; shapes, not data, set its cost."""
+        rows = self.target_graph.bucket_for(bucket) or bucket
+        batch = self._inert_batch(rows, k)
+        width = self.width_for(context)
+        with torch.no_grad():
+            return time_call(lambda: self._replay(batch, width, None), repeats=repeats)
+
+    def _inert_target_inputs(self, b: int, q: int, width: int) -> list[torch.Tensor]:
+        dev = self.device
+        z = torch.zeros(b, q, dtype=torch.long, device=dev)
+        return [z, z.clone(), torch.full_like(z, -1), torch.zeros(b, width, dtype=torch.long, device=dev),
+                torch.zeros(b, dtype=torch.long, device=dev)]
+
+    def _inert_batch(self, rows: int, k: int) -> DeviceBatch:
+        dev = self.device
+        # Distinct tensors: Dynamo guards on aliasing, and a run never passes one tensor twice.
+        return DeviceBatch((), k, GREEDY, torch.zeros(rows, 1 + k, dtype=torch.long, device=dev),
+                           torch.zeros(rows, dtype=torch.long, device=dev),
+                           torch.zeros(rows, dtype=torch.long, device=dev), [],
+                           torch.zeros(rows, self.max_blocks, dtype=torch.long, device=dev),
+                           torch.zeros(rows, dtype=torch.bool, device=dev),
+                           SamplingTensors.greedy_batch(rows, dev))
+
+    # -- prefill (eager, one request at a time, as nano-vllm) ----------------------------------------
+    def prefill(self, seq: Sequence, generator: torch.Generator | None
+                ) -> tuple[int, dict[int, float] | None, list[int]]:
+        """Prefill the prompt, or for a preempted request its prompt and generated tokens (recompute); returns
+        the token sampled at the last position, its logprob entry (if asked) and the drafts for the next step."""
+        dev = self.device
+        tokens = seq.prompt_ids + seq.output_ids
+        n = len(tokens)
+        positions = list(range(n))
+        width = live_blocks(n + 2 * self.k, self.max_blocks)  # eager: any width, the live one is cheapest
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        pos = torch.tensor([positions], dtype=torch.long, device=dev)
+        slots = torch.tensor([slots_of(seq, positions, self.cfg.max_model_len)], dtype=torch.long, device=dev)
+        table = torch.tensor([block_row(seq, width)], dtype=torch.long, device=dev)
+        seq_lens = torch.tensor([n], dtype=torch.long, device=dev)
+        with torch.no_grad():
+            hidden, logits = self._target_eager(ids, pos, slots, table, seq_lens, self.caches.target)
+            token = sample(logits[:, -1], SamplingTensors.from_params([seq.params], dev), generator)
+        first = int(token[0])
+        entry = None
+        if seq.params.logprobs is not None:
+            top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(logits[:, -1:], token.view(1, 1),
+                                                                          seq.params.logprobs))
+            entry = logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first, seq.params.logprobs)
+        if self.proposer is None:
+            return first, entry, []
+        sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
+        # A prompt has its own length: the eager reference drafts it (its query width is no graph's).
+        drafts = self.proposer.propose_reference(DraftInputs(ids, pos, hidden, slots, token, sample_idx, table,
+                                                             seq_lens))
+        return first, entry, drafts[0].tolist()
+
+    # -- decode -------------------------------------------------------------------------------------
+    def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
+        if self.fused_applies(running):
+            return self._step_fused(running, generator, stats)
+        self._drafts_to_host()
+        return self._step_by_step(running, generator, stats)
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` left the batch (preempted): its drafts are void."""
+        self._pending_drafts.pop(seq.req_id, None)
+
+    def blocks_grown(self, running: list[Sequence]) -> None:
+        """A running sequence gained a block: the fused path keeps the block table on device, refresh it (out of
+        place: a replay in flight may still read the old one)."""
+        batch = self._batch
+        if batch is not None and batch.req_ids == tuple(s.req_id for s in running):
+            batch.block_table = self._block_table(running, batch.rows)
+
+    def end_run(self) -> dict[int, int]:
+        self._batch = None
+        return dict(self.k_by_bucket)
+
+    def _counted(self, stats: RunStats) -> HostSyncCounter | None:
+        return HostSyncCounter() if self.count_host_syncs else None
+
+    @staticmethod
+    def _count_end(counter: HostSyncCounter | None, stats: RunStats) -> None:
+        if counter is not None:
+            counter.__exit__(None, None, None)
+            stats.host_syncs += counter.count
+            stats.host_sync_events.extend(counter.events)
+
+    # -- fused path: one graph per step over device-side state ------------------------------------
+    def _k_for(self, bucket: int) -> int:
+        if self.force_k is not None:
+            return self.force_k
+        if not self.cfg.adaptive_k or bucket not in self.step_seconds:
+            return self.k
+        k = choose_k(self.step_seconds[bucket], self.acceptance.rates())
+        self.k_by_bucket[bucket] = k
+        # Keep the acceptance estimate alive while speculation is off: one step in 16 drafts K_max.
+        n = self._steps_at_k[bucket] = self._steps_at_k.get(bucket, 0) + 1
+        return self.k if k < self.k and n % 16 == 0 else k
+
+    def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
+        m = self.max_blocks
+        table = [block_row(s, m) for s in running] + [[0] * m] * (rows - len(running))
+        return torch.tensor(table, dtype=torch.long, device=self.device)
+
+    def _build_batch(self, running: list[Sequence], k: int, mode: str, logprobs: bool) -> DeviceBatch:
+        """Device state for ``running``: drafts of rows already in the previous batch are gathered on device
+        (they never went to the host); requests just prefilled bring theirs from the host."""
+        dev = self.device
+        b = len(running)
+        rows = self.target_graph.bucket_for(b)
+        old = self._batch
+        old_rows = {rid: i for i, rid in enumerate(old.req_ids)} if old is not None else {}
+        drafts = torch.zeros(rows, k, dtype=torch.long, device=dev)
+        counts = []
+        from_old = [(i, old_rows[s.req_id]) for i, s in enumerate(running) if s.req_id in old_rows]
+        if from_old and k:
+            dst, src = (torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*from_old))
+            width = min(k, old.k)
+            drafts[dst, :width] = old.input_ids.index_select(0, src)[:, 1: 1 + width]
+        for i, s in enumerate(running):
+            j = old_rows.get(s.req_id)
+            if j is not None:
+                counts.append(min(old.num_draft_host[j], k))
+            else:
+                own = s.draft_ids[:k]
+                if own:
+                    drafts[i, : len(own)] = torch.tensor(own, dtype=torch.long, device=dev)
+                counts.append(len(own))
+        pad = rows - b
+        last = torch.tensor([s.last_token for s in running] + [0] * pad, dtype=torch.long, device=dev)
+        return DeviceBatch(
+            req_ids=tuple(s.req_id for s in running), k=k, mode=mode,
+            input_ids=torch.cat([last.view(-1, 1), drafts], dim=1),
+            start=torch.tensor([s.num_tokens - 1 for s in running] + [0] * pad, dtype=torch.long, device=dev),
+            num_draft=torch.tensor(counts + [0] * pad, dtype=torch.long, device=dev), num_draft_host=counts,
+            block_table=self._block_table(running, rows),
+            live=torch.tensor([True] * b + [False] * pad, device=dev),
+            sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, dev),
+            logprobs=logprobs)
+
+    def _drafts_to_host(self) -> None:
+        """Leaving the fused path (e.g. the unpadded drafter): the step-by-step path reads drafts from the host."""
+        if self._batch is None:
+            return
+        batch, self._batch = self._batch, None
+        self._pending_drafts = {rid: row[1: 1 + batch.k] for rid, row in
+                                zip(batch.req_ids, batch.input_ids[: len(batch.req_ids)].tolist())}
+
+    def _replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
+                ) -> tuple[torch.Tensor, ...]:
+        st = batch.sampling
+        if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
+            noise = self._unused_noise.get((batch.rows, batch.k))
+            if noise is None:
+                noise = self._unused_noise[(batch.rows, batch.k)] = spec_decode.RejectionNoise(
+                    torch.zeros(batch.rows, batch.k, device=self.device),
+                    torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
+        key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
+        with suspended_if_compiled(self.backend):
+            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width],
+                                    batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform,
+                                    noise.exponential, self.caches.target, self.caches.draft)
+
+    def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
+        t0 = time.perf_counter()
+        b = len(running)
+        k = self._k_for(self.bucket_for(b) or self.batch_sizes[-1])
+        mode = GREEDY if all(s.params.is_greedy for s in running) else RANDOM
+        want_lp = any(s.params.logprobs is not None for s in running)
+        ids = tuple(s.req_id for s in running)
+        batch = self._batch
+        if (batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode
+                or batch.logprobs != want_lp):
+            batch = self._batch = self._build_batch(running, k, mode, want_lp)
+        max_len = self.cfg.max_model_len
+        # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
+        width = self.width_for(max(s.num_tokens + 2 * k for s in running))
+        noise = None
+        if mode == RANDOM:
+            drawn = spec_decode.RejectionNoise.draw(b, k, self.model.cfg.vocab_size, generator, self.device)
+            pad = batch.rows - b
+            noise = spec_decode.RejectionNoise(
+                torch.cat([drawn.uniform, drawn.uniform.new_zeros(pad, k)]),
+                torch.cat([drawn.exponential, drawn.exponential.new_ones(pad, drawn.exponential.shape[1])]))
+        counter = self._counted(stats)
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            if counter is not None:
+                counter.__enter__()
+            try:
+                sampled, valid, next_input, next_start, *lp = self._replay(batch, width, noise)
+            finally:
+                self._count_end(counter, stats)
+        t2 = time.perf_counter()
+        if self.backend.reuses_outputs:
+            next_input, next_start = next_input.clone(), next_start.clone()
+        # The one host transfer of the step: the tokens, for bookkeeping.
+        out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
+        lp_h = [t[:b].tolist() for t in lp] if lp else None
+        num_draft = [max(0, min(n, max_len - (s.num_tokens - 1) - 2)) for n, s in zip(batch.num_draft_host, running)]
+        batch.input_ids, batch.start = next_input, next_start
+        if batch.num_draft_host != [k] * b:
+            batch.num_draft = torch.full_like(batch.num_draft, k)
+            batch.num_draft_host = [k] * b
+        tokens = [row[: row[-1]] for row in out_h]
+        logprobs = None
+        if lp_h is not None:
+            logprobs = [[logprob_entries(lp_h[0][i][j], lp_h[1][i][j], lp_h[2][i][j], t, s.params.logprobs)
+                         for j, t in enumerate(tokens[i])] if s.params.logprobs is not None else None
+                        for i, s in enumerate(running)]
+        stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
+        stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        return StepOutput(tokens, num_draft, k, logprobs)
+
+    # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
+    def _step_by_step(self, running: list[Sequence], generator: torch.Generator | None,
+                      stats: RunStats) -> StepOutput:
+        for seq in running:
+            if seq.req_id in self._pending_drafts:
+                seq.draft_ids = self._pending_drafts.pop(seq.req_id)
+        dev = self.device
+        q = 1 + self.k
+        max_len = self.cfg.max_model_len
+        width = self.width_for(max(s.num_tokens + 2 * self.k for s in running))
+        rows_ids, rows_pos, rows_slots, num_draft = [], [], [], []
+        for seq in running:
+            p = seq.num_tokens - 1  # tokens already in the cache
+            nd = max(0, min(self.k, max_len - p - 2))
+            positions = [p + j for j in range(q)]
+            rows_ids.append([seq.last_token] + seq.draft_ids[: self.k])
+            rows_pos.append([x if x < max_len else 0 for x in positions])
+            rows_slots.append(slots_of(seq, positions, max_len))
+            num_draft.append(nd)
+        b = len(running)
+        input_ids = torch.tensor(rows_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(rows_pos, dtype=torch.long, device=dev)
+        slots = torch.tensor(rows_slots, dtype=torch.long, device=dev)
+        table = torch.tensor([block_row(s, width) for s in running], dtype=torch.long, device=dev)
+        seq_lens = torch.tensor([min(s.num_tokens - 1 + q, max_len) for s in running], dtype=torch.long,
+                                device=dev)
+        st = SamplingTensors.from_params([s.params for s in running], dev)
+        num_draft_t = torch.tensor(num_draft, dtype=torch.long, device=dev)
+
+        counter = self._counted(stats)
+        with torch.no_grad():
+            if counter is not None:
+                counter.__enter__()
+            try:
+                with suspended_if_compiled(self.backend):
+                    hidden, logits = self.target_graph([input_ids, positions, slots, table, seq_lens],
+                                                       (self.caches.target,))
+                if self.proposer is None:
+                    sampled = sample(logits[:, 0], st, generator).view(b, 1)
+                    valid = torch.ones(b, dtype=torch.long, device=dev)
+                    drafts = None
+                else:
+                    sampled = spec_decode.rejection_sample(input_ids[:, 1:], num_draft_t, logits, st, None,
+                                                           generator)
+                    # No request is ever discarded here (no chunked prefill); the backup is the last known
+                    # token, i.e. token_ids[num_tokens_no_spec - 1], already on device as input_ids[:, 0].
+                    discard = torch.zeros(b, dtype=torch.bool, device=dev)
+                    next_ids, valid = self.proposer.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0])
+                    drafts = self._draft(input_ids, positions, hidden, slots, table, seq_lens, next_ids, valid,
+                                         num_draft_t)
+            finally:
+                self._count_end(counter, stats)
+        n_logprobs = max((s.params.logprobs or 0 for s in running), default=0)
+        want_logprobs = any(s.params.logprobs is not None for s in running)
+        lp_h = ([t.tolist() for t in top_logprobs(logits[:, : sampled.shape[1]], sampled, n_logprobs)]
+                if want_logprobs else None)
+        # The one host transfer of the step: tokens for bookkeeping.
+        sampled_h, valid_h = sampled.tolist(), valid.tolist()
+        tokens = [sampled_h[i][: valid_h[i]] for i in range(b)]
+        logprobs = None
+        if lp_h is not None:
+            logprobs = [[logprob_entries(lp_h[0][i][j], lp_h[1][i][j], lp_h[2][i][j], t, s.params.logprobs)
+                         for j, t in enumerate(tokens[i])] if s.params.logprobs is not None else None
+                        for i, s in enumerate(running)]
+        return StepOutput(tokens, num_draft, self.k, logprobs, drafts.tolist() if drafts is not None else None)
+
+    def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
+               table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,
+               num_draft: torch.Tensor) -> torch.Tensor:
+        assert self.proposer is not None and self.spec is not None
+        b, q = input_ids.shape
+        qsl = torch.arange(b + 1, device=input_ids.device) * q
+        if not self.spec.disable_padded_drafter_batch:
+            token_indices, _ = self.proposer.prepare_inputs_padded(qsl, num_draft, valid)
+            sample_idx = token_indices - qsl[:-1]
+            return self.proposer.propose(DraftInputs(input_ids, positions, hidden, slots, next_ids, sample_idx,
+                                                     table, seq_lens))
+        # Unpadded path (disable_padded_drafter_batch): drop rejected tokens on the host, as vLLM does,
+        # then draft from the compacted spans re-packed as [B, max_len] with inert padding.
+        num_rejected = torch.where(num_draft > 0, num_draft + 1 - valid, torch.zeros_like(valid)).cpu()
+        new_qsl, token_indices = self.proposer.prepare_inputs(qsl.cpu(), num_rejected)
+        lens = (new_qsl[1:] - new_qsl[:-1]).tolist()
+        width = max(lens)
+        flat = [t.reshape(b * q, *t.shape[2:]) for t in (input_ids, positions, hidden, slots)]
+        rows: list[list[torch.Tensor]] = [[], [], [], []]
+        for i, n in enumerate(lens):
+            idx = token_indices[new_qsl[i]: new_qsl[i] + n].to(input_ids.device)
+            for r, (src, pad) in enumerate(zip(flat, (0, 0, 0.0, -1))):
+                piece = src.index_select(0, idx)
+                filler = torch.full((width - n, *src.shape[1:]), pad, dtype=src.dtype, device=src.device)
+                rows[r].append(torch.cat([piece, filler]))
+        ids_c, pos_c, hid_c, slots_c = (torch.stack(r) for r in rows)
+        sample_idx = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=input_ids.device)
+        seq_lens_c = positions.gather(1, sample_idx.view(-1, 1)).view(-1) + 1
+        return self.proposer.propose(DraftInputs(ids_c, pos_c, hid_c, slots_c, next_ids, sample_idx, table,
+                                                 seq_lens_c))
