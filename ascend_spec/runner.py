@@ -17,11 +17,12 @@ costs what the live context costs, whatever ``max_model_len`` is.
 """
 from __future__ import annotations
 
-import dataclasses
 import bisect
+import dataclasses
 import logging
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from . import spec_decode
 from .config import EngineConfig
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, choose_k, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
+from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
@@ -92,6 +94,8 @@ class WarmupReport:
     graphs_compiled: int = 0
     compile_seconds: float = 0.0
     seconds_by_graph: dict[str, float] = field(default_factory=dict)
+    #: the on-disk compile cache held this warm-up's artifacts (None: no cache in use)
+    cache_hit: bool | None = None
 
 
 def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
@@ -117,6 +121,8 @@ class ModelRunner:
             view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
             use_cached_graph=g.use_cached_graph)
         self.shapes = self.backend.shapes
+        # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
+        self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None
         model.set_attention_kernel(self.backend.attention_kernel)
         model.set_compile_regions(getattr(self.backend, "compile_regions", False))
         #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
@@ -167,15 +173,33 @@ class ModelRunner:
         (every K in 0..K_max when ``adaptive_k``, then timed) — per batch bucket only where the backend compiles
         per shape — or the target step and draft chain. A bar on stderr counts graphs; one summary line ends it."""
         report = WarmupReport()
-        with torch.no_grad():
+        what = (f"fused_k{'0-' if self.cfg.adaptive_k else ''}{self.k}_{'+'.join(modes)}"
+                f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k}")
+        cached = (self.compile_cache.around_warmup(self.cache_key(what)) if self.compile_cache is not None
+                  else nullcontext(None))
+        with torch.no_grad(), cached as hit:
             if self.cfg.fused_step:
                 self._warmup_fused(report, progress, modes, logprobs)
             else:
                 self._warmup_step_by_step(report, progress)
+        report.cache_hit = hit
         if progress and report.graphs_compiled:
+            cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
             print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
-                  f"({self.backend.name}, attention '{self.backend.attention_kernel}')", file=sys.stderr)
+                  f"({self.backend.name}, attention '{self.backend.attention_kernel}'{cache})", file=sys.stderr)
         return report
+
+    def cache_key(self, what: str) -> CacheKey:
+        """One warm-up's compiled artifacts: the model, the graph code, torch and every option that shapes them."""
+        cfg = self.cfg
+        return CacheKey(what=what, model_config=self.model.cfg.to_hf_dict(), backend=self.backend.name,
+                        backend_options={"device": str(self.device), "dtype": str(self.model.lm_head.weight.dtype),
+                                         "shapes": dataclasses.asdict(self.shapes),
+                                         "attention": self.backend.attention_kernel,
+                                         "compile_regions": getattr(self.backend, "compile_regions", False),
+                                         "max_model_len": cfg.max_model_len, "batch_sizes": self.batch_sizes,
+                                         "disable_padded_drafter_batch": bool(
+                                             self.spec and self.spec.disable_padded_drafter_batch)})
 
     def _fused_warm_plan(self, modes: tuple[str, ...], logprobs: bool) -> list[tuple[int, int, str]]:
         ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
@@ -381,8 +405,9 @@ class ModelRunner:
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
         with suspended_if_compiled(self.backend):
-            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width],
-                                    batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform,
+            # contiguous: a narrower view of the table would make the graph guard on its strides
+            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft,
+                                    batch.block_table[:, :width].contiguous(), batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform,
                                     noise.exponential, self.caches.target, self.caches.draft)
 
     def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:

@@ -104,7 +104,7 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: P
             scale: float) -> torch.Tensor:
     """One query token per row and call (BNSD, as vllm-ascend's torchair decode): ``Q`` verify tokens become
     ``B·Q`` rows whose KV length ends at their own position, so causality needs no mask."""
-    import torch_npu  # noqa: F401  (needs CANN; imported on the NPU path only)
+    import torch_npu  # needs CANN; imported on the NPU path only
 
     b, q_len, h, c = q_lat.shape
     num_blocks, block, width = cache.shape
@@ -116,7 +116,7 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: P
     table = inp.block_table.to(torch.int32).repeat_interleave(q_len, dim=0)
     # The op takes the KV lengths as SymInt[]: host ints in eager mode, graph data once torchair lowers it
     # (FusedInferAttentionScore's actual_seq_lengths_kv is a tensor input of the GE op).
-    out, _ = torch.ops.npu.npu_fused_infer_attention_score(
+    out, _ = torch_npu.npu_fused_infer_attention_score(
         q_lat.reshape(b * q_len, h, 1, c), kv_c, kv_c,
         query_rope=q_pe.reshape(b * q_len, h, 1, -1), key_rope=kv_pe, num_heads=h, num_key_value_heads=1,
         input_layout="BNSD", scale=scale, block_table=table, block_size=block,

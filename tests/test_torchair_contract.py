@@ -280,6 +280,16 @@ def test_npu_moe_calls_match_wheel_schemas(npu_wheel_ops, op):
 
 
 @pytest.mark.network
+def test_npu_attention_call_matches_wheel_schema(npu_wheel_ops):
+    """graph/mla_kernels.npu_mla: query/key/value by position, then exactly ``NPU_ATTENTION_KWARGS``."""
+    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, NPU_ATTENTION_OP
+
+    call = moe_npu.NpuCall(("query", "key", "value"), NPU_ATTENTION_KWARGS)
+    assert _call_errors(npu_wheel_ops.schemas[NPU_ATTENTION_OP], call) == [], npu_wheel_ops.schemas[NPU_ATTENTION_OP]
+    assert f"register_fx_node_ge_converter(torch.ops.npu.{NPU_ATTENTION_OP}.default)" in npu_wheel_ops.converters
+
+
+@pytest.mark.network
 @pytest.mark.parametrize("op, call", [
     ("npu_swiglu", moe_npu.NpuCall(("x",), ())),  # wrong positional name (it is "self")
     ("npu_moe_init_routing", moe_npu.NpuCall(("x",), ("row_idx", "expert_idx"))),  # active_num is required

@@ -72,6 +72,7 @@ ENTRY_SUFFIX = ".bin"
 _TMP_SUFFIX = ".tmp"
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 DIGEST_CHARS = 24
+_HEADER_FIELDS = {"key", "payload_len", "payload_sha256"}
 
 
 class CacheDirError(ValueError):
@@ -172,6 +173,10 @@ def _canonical(value: Any, what: str) -> str:
                          "finite float, bool, None") from None
 
 
+def _key_digest(key_dict: dict[str, Any]) -> str:
+    return hashlib.sha256(_canonical(key_dict, "key").encode()).hexdigest()[:DIGEST_CHARS]
+
+
 @dataclass(frozen=True, eq=False)
 class CacheKey:
     """What a cached warm-up depends on. Keys compare by their canonical JSON; the digest names the file."""
@@ -203,7 +208,7 @@ class CacheKey:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.canonical_json().encode()).hexdigest()[:DIGEST_CHARS]
+        return _key_digest(self.to_dict())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CacheKey) and self.canonical_json() == other.canonical_json()
@@ -235,9 +240,10 @@ def _read_header(blob: bytes) -> tuple[dict[str, Any], int]:
         raise BadEntry(f"truncated: header of {header_len} bytes, file has {len(blob) - _PREFIX.size} after the prefix")
     try:
         header = json.loads(blob[_PREFIX.size:end])
-        header["key"], header["payload_len"], header["payload_sha256"]  # noqa: B018 - presence check
-    except (ValueError, TypeError, KeyError) as exc:
-        raise BadEntry(f"unreadable header ({exc.__class__.__name__}: {exc})") from None
+    except ValueError as exc:
+        raise BadEntry(f"unreadable header ({exc})") from None
+    if not isinstance(header, dict) or not _HEADER_FIELDS <= header.keys() or not isinstance(header["key"], dict):
+        raise BadEntry(f"unreadable header (allowed: an object with {sorted(_HEADER_FIELDS)})")
     return header, end
 
 
@@ -249,10 +255,9 @@ def decode_entry(blob: bytes, key: CacheKey) -> bytes:
         raise BadEntry(f"truncated: payload of {len(payload)} bytes, header says {header['payload_len']}")
     if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
         raise BadEntry("corrupt: payload sha256 does not match the header")
-    stored = header["key"]
-    if stored != key.to_dict():
-        differ = sorted(k for k in set(stored) | set(key.to_dict()) if stored.get(k) != key.to_dict().get(k)) \
-            if isinstance(stored, dict) else ["key"]
+    stored, wanted = header["key"], key.to_dict()
+    if stored != wanted:
+        differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
         raise BadEntry(f"foreign entry: written for another key (differs in {', '.join(differ)}), not {key.what!r} "
                        f"{key.digest}")
     return payload
@@ -438,10 +443,12 @@ def _entry_info(path: Path) -> EntryInfo:
             prefix = f.read(_PREFIX.size)
             header_len = _PREFIX.unpack(prefix)[2] if len(prefix) == _PREFIX.size else 0
             header, start = _read_header(prefix + f.read(min(header_len, _MAX_HEADER)))
-        key = header["key"] if isinstance(header["key"], dict) else {}
-        what, torch_version = key.get("what"), key.get("torch_version")
+        what, torch_version = header["key"].get("what"), header["key"].get("torch_version")
+        stored_digest = _key_digest(header["key"])
         if st.st_size - start != header["payload_len"]:
             problem = f"truncated: payload of {st.st_size - start} bytes, header says {header['payload_len']}"
+        elif stored_digest != path.stem:
+            problem = f"foreign entry: written for key {stored_digest}"
     except BadEntry as exc:
         problem = str(exc)
     return EntryInfo(path=path, digest=path.stem, size=st.st_size, mtime=st.st_mtime, what=what,
