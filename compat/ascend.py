@@ -97,8 +97,8 @@ def patched_factory(original: Callable[..., Any], adapter: Callable[[], type]) -
 
 def uses_other_mtp(vllm_config: Any) -> bool:
     """vllm-ascend routes Step-3.5's MTP to its own proposer; ours drafts DeepSeek's MTP layer only."""
-    spec = vllm_config.speculative_config
-    probe = getattr(spec, "use_step3p5_mtp", None)
+    speculative_config = vllm_config.speculative_config
+    probe = getattr(speculative_config, "use_step3p5_mtp", None)
     return bool(probe()) if callable(probe) else False
 
 

@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 #: file -> how it is cut: "verbatim", "signatures" (defs keep signatures, bodies become ``...``),
-#: "runner" (class NPUModelRunner, only methods mentioning self.drafter), "class-attrs" (class-level assignments)
+#: "runner" (class NPUModelRunner, only the methods in RUNNER_KEEP), "class-attrs" (class-level assignments)
 EXCERPTS: dict[str, str] = {
     "vllm_ascend/__init__.py": "empty",
     "vllm_ascend/spec_decode/__init__.py": "verbatim",
@@ -27,6 +27,8 @@ EXCERPTS: dict[str, str] = {
     "vllm_ascend/platform.py": "class-attrs",
 }
 RUNNER_CLASS = "NPUModelRunner"
+#: runner methods kept verbatim: those touching the drafter or calling its factory
+RUNNER_KEEP = ("self.drafter", "get_spec_decode_method")
 
 
 def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.stmt:
@@ -58,7 +60,7 @@ def excerpt(path: str, source: str) -> str | None:
                 body.append(st)
         elif how == "runner" and isinstance(st, ast.ClassDef) and st.name == RUNNER_CLASS:
             st.body = [f for f in st.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and "self.drafter" in ast.unparse(f)]
+                       and any(k in ast.unparse(f) for k in RUNNER_KEEP)]
             body.append(st)
         elif how == "class-attrs" and isinstance(st, ast.ClassDef):
             st.body = [f for f in st.body if isinstance(f, (ast.Assign, ast.AnnAssign))] or [ast.Pass()]

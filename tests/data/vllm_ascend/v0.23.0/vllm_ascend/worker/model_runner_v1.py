@@ -111,6 +111,9 @@ class NPUModelRunner(GPUModelRunner):
         self.discard_request_indices = self._make_buffer(self.max_num_reqs, dtype=torch.int64)
         self.num_discarded_requests = 0
 
+    def _get_drafter(self):
+        return get_spec_decode_method(self.speculative_config.method, self.vllm_config, self.device, self)
+
     def propose_draft_token_ids(self, valid_sampled_token_ids: torch.Tensor | list[list[int]], sampling_metadata: SamplingMetadata, scheduler_output: 'SchedulerOutput', spec_decode_metadata: SpecDecodeMetadata, spec_decode_common_attn_metadata: AscendCommonAttentionMetadata, positions: torch.Tensor, num_scheduled_tokens: int, hidden_states: torch.Tensor, aux_hidden_states: torch.Tensor=None, sample_hidden_states: torch.Tensor=None, target_model_batch_desc: BatchDescriptor=None) -> list[list[int]] | None:
         if not self.drafter:
             draft_token_ids = None
