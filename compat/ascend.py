@@ -205,6 +205,16 @@ def propose_k(num_speculative_tokens: int | None, default: int) -> int:
     return default if num_speculative_tokens is None else int(num_speculative_tokens)
 
 
+@covers("ascend_propose_num_spec_tokens")
+def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: int) -> dict[str, Any]:
+    """The keywords for vllm-ascend's own ``_propose``: K added where it takes it (main), never where it does not."""
+    import inspect
+
+    if "num_speculative_tokens" in inspect.signature(theirs).parameters:
+        return {**passed, "num_speculative_tokens": k}
+    return passed
+
+
 def build_ascend_adapter_class(base: type) -> type:
     """Subclass vllm-ascend's ``AscendEagleProposer`` (``base``) into the adapter the NPU runner drives."""
     Adapter = build_adapter_class(base)
@@ -241,10 +251,9 @@ def build_ascend_adapter_class(base: type) -> type:
                           num_prefill_reqs=num_prefill_reqs, num_decode_reqs=num_decode_reqs,
                           scheduler_output=scheduler_output, num_scheduled_tokens=num_scheduled_tokens,
                           num_rejected_tokens_gpu=num_rejected_tokens_gpu, **kwargs)
-            if num_speculative_tokens is not None:
-                passed["num_speculative_tokens"] = num_speculative_tokens
             k = propose_k(num_speculative_tokens, self.num_speculative_tokens)
             theirs = super()._propose
+            passed = their_propose_kwargs(theirs, passed, k)
             return self._draft_or_delegate(
                 k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
                 common_attn_metadata, sampling_metadata,

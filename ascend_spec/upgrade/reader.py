@@ -366,8 +366,8 @@ class Reader:
         for n in ast.walk(fn):
             if isinstance(n, ast.Call) and dotted(n.func) == "isinstance" and len(n.args) == 2 \
                     and ast.unparse(n.args[0]) == loc["subject"]:
-                names = [x.id if isinstance(x, ast.Name) else x.attr for x in ast.walk(n.args[1])
-                         if isinstance(x, (ast.Name, ast.Attribute)) and not isinstance(x.ctx, ast.Store)]
+                names = sorted({x.id if isinstance(x, ast.Name) else x.attr for x in ast.walk(n.args[1])
+                                if isinstance(x, (ast.Name, ast.Attribute))})
                 checks.append((names, n.lineno))
         if not checks:
             return Reading(dict(ABSENT), "absent", f"{self.t.rel(owner.path)}:{fn.lineno}",
