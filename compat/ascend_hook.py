@@ -61,7 +61,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
             try:
                 spec = None
                 for finder in sys.meta_path:
-                    if finder is self or not hasattr(finder, "find_spec"):
+                    if finder is self or not hasattr(finder, "find_spec"):  # manifest: ignore (importlib)
                         continue
                     spec = finder.find_spec(fullname, path, target)
                     if spec is not None:
