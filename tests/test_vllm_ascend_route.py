@@ -347,6 +347,31 @@ def test_initialize_attn_backend_passes_the_runners_block_size_on(release, monke
     assert not hasattr(d, "block_size") and draft_block_size(d) == 128
 
 
+class Request:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def get_token_id(self, i: int) -> int:
+        return self.tokens[i] if i < len(self.tokens) else -1
+
+
+def test_next_token_ids_from_the_runners_discard_indices_and_count(release):
+    """NPUModelRunner passes (sampled, requests, input_batch, discard_request_indices.gpu, num_discarded_requests)."""
+    import numpy as np
+
+    calls = drafter_calls(release)["prepare_next_token_ids_padded"]
+    assert all(len(c.args) == 5 and not c.keywords for c in calls), [ast.unparse(c) for c in calls]
+    d = built_adapter()
+    d._ascend_model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=100))
+    requests = {"a": Request([1, 2, 3, 4, 5]), "b": Request([6, 7, 8]), "c": Request([9, 10])}
+    batch = types.SimpleNamespace(req_ids=["a", "b", "c"], num_tokens_no_spec=np.array([5, 3, 2]))
+    sampled = torch.tensor([[11, 12, -1], [13, -1, -1], [14, 15, 16]])
+    indices = torch.tensor([2, 0, 0, 0])  # the runner's buffer: only the first num_discarded entries count
+    next_ids, count = d.prepare_next_token_ids_padded(sampled, requests, batch, indices, 1)
+    assert next_ids.tolist() == [12, 13, 10]  # request c's sample is discarded: its last known token
+    assert count.tolist() == [2, 1, 0]
+
+
 # ------------------------------------------------------------------------------------------ the plugin
 
 
