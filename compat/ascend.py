@@ -41,6 +41,7 @@ FORWARD_CONTEXT = "set_ascend_forward_context"
 #: where ``init_speculator`` lives: v0.23.0 in the eagle submodule, from v0.24.0rc1 in the package
 V2_SPECULATOR_MODULES = ("vllm_ascend.worker.v2.spec_decode", "vllm_ascend.worker.v2.spec_decode.eagle")
 V2_SPECULATOR = "init_speculator"
+V2_RUNNER_MODULE = "vllm_ascend.worker.v2.model_runner"
 #: the Ascend runner's ``_propose`` keywords the adapter reads; the others are only forwarded on fallback
 PROPOSE_KEYWORDS = ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
                     "token_indices_to_sample", "common_attn_metadata", "sampling_metadata")
@@ -124,21 +125,29 @@ def _patch_factory_module(module: ModuleType) -> None:
     _patch_global(module, FACTORY, lambda f: patched_factory(f, ascend_adapter_class))
 
 
+def _rebind(module: ModuleType, name: str, sources: tuple[str, ...]) -> None:
+    """A runner imported ``name`` by value: when it did so before the patch (it was imported before the hook),
+    point it at the patched function of whichever source module it came from."""
+    mine = getattr(module, name, None)
+    for src in sources:
+        ours = getattr(sys.modules.get(src), name, None)
+        if ours is not None and mine is not None and mine is getattr(ours, _PATCHED, None):
+            setattr(module, name, ours)
+            logger.debug("ascend_spec: rebound %s.%s", module.__name__, name)
+
+
 def _patch_runner_module(module: ModuleType) -> None:
-    """The runner imported the factory by name; rebind it when the runner was imported before the hook."""
-    factory = sys.modules.get(FACTORY_MODULE)
-    ours = getattr(factory, FACTORY, None) if factory is not None else None
-    if ours is not None and getattr(ours, _PATCHED, None) is not None:
-        mine = getattr(module, FACTORY, None)
-        if mine is getattr(ours, _PATCHED):
-            setattr(module, FACTORY, ours)
-    else:
-        _patch_global(module, FACTORY, lambda f: patched_factory(f, ascend_adapter_class))
+    _rebind(module, FACTORY, (FACTORY_MODULE,))
 
 
 @covers("ascend_v2_speculator_location")
 def _patch_speculator_module(module: ModuleType) -> None:
     _patch_global(module, V2_SPECULATOR, patched_speculator)
+
+
+@covers("ascend_v2_speculator_location")
+def _patch_v2_runner_module(module: ModuleType) -> None:
+    _rebind(module, V2_SPECULATOR, V2_SPECULATOR_MODULES)
 
 
 def install() -> None:
@@ -149,6 +158,7 @@ def install() -> None:
         h.watch(RUNNER_MODULE, _patch_runner_module)
         for mod in V2_SPECULATOR_MODULES:
             h.watch(mod, _patch_speculator_module)
+        h.watch(V2_RUNNER_MODULE, _patch_v2_runner_module)
 
 
 # ------------------------------------------------------------------------------------------ the adapter

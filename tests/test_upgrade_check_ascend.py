@@ -45,9 +45,10 @@ def archive(tag: str, dest: Path, tree: Path | None = None) -> Path:
 
 
 @pytest.mark.parametrize("tag,shimmed", [
-    ("v0.24.0rc1", {"v2.init_speculator", "v2.eagle.init_speculator"}),
-    ("v0.25.1rc1", {"v2.init_speculator", "v2.eagle.init_speculator"}),
-    ("main", {"v2.init_speculator", "v2.eagle.init_speculator", "AscendEagleProposer._propose",
+    ("v0.24.0rc1", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator"}),
+    ("v0.25.1rc1", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator"}),
+    ("main", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator",
+              "AscendEagleProposer._propose",
               "set_ascend_forward_context"}),
 ])
 def test_supported_releases_pass_with_the_shims_named(capsys, tag, shimmed):

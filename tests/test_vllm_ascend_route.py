@@ -184,6 +184,17 @@ def test_runner_module_binds_the_patched_factory_in_either_import_order(release)
     assert early.get_spec_decode_method is sys.modules["vllm_ascend.spec_decode"].get_spec_decode_method
 
 
+def test_v2_runner_imported_before_the_hook_is_rebound(release):
+    standin.forget()
+    ascend_hook.uninstall()
+    import vllm_ascend.worker.v2.model_runner as v2_runner
+
+    assert getattr(v2_runner.init_speculator, "__ascend_spec_patched__", None) is None
+    ascend.install()
+    with pytest.raises(ConfigError, match="use_v2_model_runner"):
+        v2_runner.init_speculator(vllm_config(True), "cpu")
+
+
 def test_bad_settings_raise_from_the_factory(release):
     import vllm_ascend.spec_decode as sd
 
@@ -202,6 +213,9 @@ def test_v2_runner_is_refused_with_one_error(release):
     mod = importlib.import_module(holders[0])
     with pytest.raises(ConfigError, match=r"ascend_spec\.enabled.*V2 runner \(use_v2_model_runner.*Allowed"):
         mod.init_speculator(vllm_config(True), "cpu")
+    import vllm_ascend.worker.v2.model_runner as v2_runner  # imports init_speculator by name
+
+    assert v2_runner.init_speculator is mod.init_speculator
     assert mod.init_speculator(vllm_config(False), "cpu") == ("vllm-ascend", "init_speculator")
     import vllm_ascend.spec_decode as sd
 

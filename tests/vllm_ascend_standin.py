@@ -21,6 +21,10 @@ STUBBED = {
     "vllm_ascend/worker/v2/spec_decode/eagle/__init__.py",
 }
 
+#: runner module -> the function it imports by name from the module the route patches
+RUNNERS = {"vllm_ascend/worker/model_runner_v1.py": "get_spec_decode_method",
+           "vllm_ascend/worker/v2/model_runner.py": "init_speculator"}
+
 RECORD = '''
 import contextlib
 CALLS = []
@@ -94,9 +98,10 @@ def build(tag: str, root: Path) -> Path:
             base = "from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer\n" \
                 if rel.endswith("llm_base_proposer.py") else ""
             text = stub_module(text, base)
-        elif rel == "vllm_ascend/worker/model_runner_v1.py":
-            # the runner imports half of vllm-ascend: here only the binding the route patches
-            text = "from vllm_ascend.spec_decode import get_spec_decode_method\n"
+        elif rel in RUNNERS:
+            # the runners import half of vllm-ascend: here only the binding the route patches, as the release has it
+            text = "".join(ast.unparse(st) + "\n" for st in ast.parse(text).body if isinstance(st, ast.ImportFrom)
+                           and any(a.name == RUNNERS[rel] for a in st.names))
         elif rel == "vllm_ascend/platform.py":
             text = ""
         dest.write_text(text)

@@ -22,13 +22,15 @@ EXCERPTS: dict[str, str] = {
     "vllm_ascend/worker/__init__.py": "empty",
     "vllm_ascend/worker/model_runner_v1.py": "runner",
     "vllm_ascend/worker/v2/__init__.py": "empty",
+    "vllm_ascend/worker/v2/model_runner.py": "runner",
     "vllm_ascend/worker/v2/spec_decode/__init__.py": "signatures",
     "vllm_ascend/worker/v2/spec_decode/eagle/__init__.py": "signatures",
     "vllm_ascend/platform.py": "class-attrs",
 }
 RUNNER_CLASS = "NPUModelRunner"
-#: runner methods kept verbatim: those touching the drafter or calling its factory
-RUNNER_KEEP = ("self.drafter", "get_spec_decode_method")
+#: runner methods kept verbatim: those touching the drafter or calling its factory (V1), the speculator (V2)
+RUNNER_KEEP = {"vllm_ascend/worker/model_runner_v1.py": ("self.drafter", "get_spec_decode_method"),
+               "vllm_ascend/worker/v2/model_runner.py": ("init_speculator",)}
 
 
 def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.stmt:
@@ -60,7 +62,7 @@ def excerpt(path: str, source: str) -> str | None:
                 body.append(st)
         elif how == "runner" and isinstance(st, ast.ClassDef) and st.name == RUNNER_CLASS:
             st.body = [f for f in st.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and any(k in ast.unparse(f) for k in RUNNER_KEEP)]
+                       and any(k in ast.unparse(f) for k in RUNNER_KEEP[path])]
             body.append(st)
         elif how == "class-attrs" and isinstance(st, ast.ClassDef):
             st.body = [f for f in st.body if isinstance(f, (ast.Assign, ast.AnnAssign))] or [ast.Pass()]
