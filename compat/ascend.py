@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import sys
 from types import ModuleType
@@ -192,8 +193,7 @@ ASCEND_PROPOSER_METHODS: dict[str, tuple[str, ...]] = {
 
 
 def probe_ascend_proposer_api(base: type) -> list[Missing]:
-    import inspect
-
+    """Check ``AscendEagleProposer``'s methods before an enabled adapter relies on them."""
     missing: list[Missing] = []
     for method, needs in ASCEND_PROPOSER_METHODS.items():
         fn = getattr(base, method, None)
@@ -218,8 +218,6 @@ def propose_k(num_speculative_tokens: int | None, default: int) -> int:
 @covers("ascend_propose_num_spec_tokens")
 def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: int) -> dict[str, Any]:
     """The keywords for vllm-ascend's own ``_propose``: K added where it takes it (main), never where it does not."""
-    import inspect
-
     if "num_speculative_tokens" in inspect.signature(theirs).parameters:
         return {**passed, "num_speculative_tokens": k}
     return passed

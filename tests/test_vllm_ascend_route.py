@@ -12,7 +12,6 @@ import ast
 import inspect
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
