@@ -24,6 +24,7 @@ writes the same cache in the same layout. Each rank logs one line at start and, 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import json
 import logging
@@ -43,7 +44,7 @@ from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
-from .kv_layout import draft_cache_view, draft_layer_names
+from .kv_layout import draft_block_size, draft_cache_view, draft_layer_names
 from .settings import METHODS, PluginSettings
 from .shims import (
     CompatError,
@@ -153,8 +154,11 @@ def build_adapter_class(base: type) -> type:
             self._ascend_stats_file: StatsFile | None = None
             self._ascend_tp = 1
             if self.ascend_enabled:
-                raise_if_missing(probe_proposer_api(base), "drafter interface")
+                raise_if_missing(self._probe_api(), "drafter interface")
             LIVE.append(weakref.ref(self))
+
+        def _probe_api(self) -> list:
+            return probe_proposer_api(base)
 
         # -- lifecycle -------------------------------------------------------------------------
         def load_model(self, target_model: Any, *args: Any, **kwargs: Any) -> None:
@@ -188,7 +192,7 @@ def build_adapter_class(base: type) -> type:
             cfg = self._ascend_model.cfg
             # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
             # cache as an input, so the real one replaces it without a recompile).
-            stand_in = torch.empty(kv_cache_config.num_blocks, self.block_size, cfg.latent_dim,
+            stand_in = torch.empty(kv_cache_config.num_blocks, draft_block_size(self), cfg.latent_dim,
                                    dtype=self.vllm_config.model_config.dtype, device=self.device)
             self._build_ascend(stand_in)
 
@@ -227,7 +231,7 @@ def build_adapter_class(base: type) -> type:
 
         def _bind_cache(self) -> None:
             cfg = self._ascend_model.cfg
-            cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, self.block_size)
+            cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, draft_block_size(self))
             if cache.shape != self._ascend.draft_cache.shape:
                 logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
                                tuple(cache.shape), tuple(self._ascend.draft_cache.shape))
@@ -243,6 +247,8 @@ def build_adapter_class(base: type) -> type:
                                                              discard_request_mask, *args, **kwargs)
             num_reqs = sampled_token_ids.shape[0]
             num_discarded = args[0] if args else kwargs.get("num_discarded_requests")
+            if discard_request_mask is None:  # vllm-ascend's name for the index buffer
+                discard_request_mask = kwargs.get("discard_request_indices")
             mask = discard_mask(discard_request_mask, num_reqs, num_discarded, device=sampled_token_ids.device)
             backup = backup_next_token_ids(requests, gpu_input_batch, num_reqs).to(sampled_token_ids.device)
             if self.ascend_settings.collect_stats:
@@ -262,25 +268,39 @@ def build_adapter_class(base: type) -> type:
                     target_positions: Any = None, target_hidden_states: Any = None, next_token_ids: Any = None,
                     token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
                     sampling_metadata: Any = None, **kwargs: Any) -> torch.Tensor:
-            t0 = time.perf_counter()
             k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+            theirs = super().propose
+            # Forward what the runner passed, unchanged: runner and base class come from the same release.
+            return self._draft_or_delegate(
+                k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, None,
+                lambda: theirs(num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
+                               target_positions=target_positions, target_hidden_states=target_hidden_states,
+                               next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
+                               common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
+                               **kwargs))
+
+        def _draft_or_delegate(self, k: int, target_token_ids: Any, target_positions: Any,
+                               target_hidden_states: Any, next_token_ids: Any, token_indices_to_sample: Any,
+                               common_attn_metadata: Any, sampling_metadata: Any, extra_reason: str | None,
+                               delegate: Any) -> torch.Tensor:
+            """Draft with ours, or call ``delegate()`` (the base class's own drafting) and count why."""
+            t0 = time.perf_counter()
             f = attn_fields(common_attn_metadata)
             decode = f.max_query_len == 1 + k and f.num_actual_tokens == f.num_reqs * (1 + k)
             reason = self._fallback_reason(k, target_positions, sampling_metadata)
             if reason is None:
-                out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
-                                           next_token_ids, token_indices_to_sample, f, decode)
+                reason = extra_reason
+            if reason is None:
+                with self._draft_context(f, k):
+                    out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
+                                               next_token_ids, token_indices_to_sample, f, decode)
             else:
                 if self.ascend_enabled:
                     st = self.ascend_stats
                     st.fallback_calls += 1
                     st.fallbacks_by_reason[reason] = st.fallbacks_by_reason.get(reason, 0) + 1
-                # Forward what the runner passed, unchanged: runner and base class come from the same release.
-                out = super().propose(
-                    num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
-                    target_positions=target_positions, target_hidden_states=target_hidden_states,
-                    next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
-                    common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata, **kwargs)
+                out = delegate()
             dt = time.perf_counter() - t0
             st = self.ascend_stats
             st.propose_calls += 1
@@ -291,6 +311,10 @@ def build_adapter_class(base: type) -> type:
             if self._ascend_stats_file is not None:
                 self._ascend_stats_file.maybe_write()
             return out
+
+        def _draft_context(self, f: Any, k: int) -> Any:
+            """Context our draft runs in (vllm-ascend: its forward context; vLLM: none needed)."""
+            return contextlib.nullcontext()
 
         def _fallback_reason(self, k: int, target_positions: Any, sampling_metadata: Any) -> str | None:
             """Why vLLM's own propose must run this call, or None when ours drafts it."""

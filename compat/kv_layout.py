@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from .shims import bound_kv_cache, probe_draft_kv_cache, raise_if_missing
+from .shims import bound_kv_cache, draft_block_size, probe_draft_kv_cache, raise_if_missing
+
+__all__ = ["draft_block_size", "draft_cache_view", "draft_layer_names"]
 
 
 def draft_layer_names(proposer: Any) -> list[str]:

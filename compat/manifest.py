@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 import yaml
 
 DEFAULT_PATH = Path(__file__).with_name("api_manifest.yaml")
+#: the vllm-ascend API the Ascend route relies on (same schema; ``root: vllm_ascend``)
+ASCEND_PATH = Path(__file__).with_name("api_manifest_ascend.yaml")
 
 #: item kind -> locator keys it requires
 KINDS: dict[str, tuple[str, ...]] = {
@@ -44,6 +46,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "entry-point-group": ("module", "group"),
     "module-global": ("module", "name"),
     "call-site": ("function", "modules"),
+    "isinstance-check": ("module", "class", "method", "subject", "accepts"),
 }
 
 #: verdict strings (the tool prints these)
@@ -129,6 +132,8 @@ class Manifest:
     shims: Mapping[str, Shim]
     items: tuple[Item, ...]
     owners: Mapping[str, str]  # variable name -> vLLM class it usually holds (for the coverage test)
+    root: str = "vllm"  # the top-level package whose sources are read (vllm_ascend for the Ascend manifest)
+    package: str = "vllm"  # the distribution, for reports
 
     def item(self, item_id: str) -> Item:
         for it in self.items:
@@ -198,6 +203,8 @@ def load(path: str | Path | None = None) -> Manifest:
     if not isinstance(raw, dict):
         raise ManifestError(f"{p}: top level must be a mapping")
     errors: list[str] = []
+    root = str(raw.get("root", "vllm"))
+    package = str(raw.get("package", "vllm"))
 
     scope = _tuple(raw.get("scope"), "manifest", "scope")
     if not scope:
@@ -243,8 +250,8 @@ def load(path: str | Path | None = None) -> Manifest:
         if lacking:
             errors.append(f"{where}: locator of a {kind} needs {', '.join(lacking)}")
         mod = loc.get("module")
-        if mod is not None and not (isinstance(mod, str) and (mod == "vllm" or mod.startswith("vllm."))):
-            errors.append(f"{where}: locator.module must be a vllm module path")
+        if mod is not None and not (isinstance(mod, str) and (mod == root or mod.startswith(root + "."))):
+            errors.append(f"{where}: locator.module must be a {root} module path")
         item_shims = _tuple(it.get("shims"), where, "shims")
         for sid in item_shims:
             if sid not in shims:
@@ -270,7 +277,7 @@ def load(path: str | Path | None = None) -> Manifest:
         owners = {}
     if errors:
         raise ManifestError(f"{p}: " + "; ".join(errors))
-    return Manifest(p, scope, shims, tuple(items), dict(owners))
+    return Manifest(p, scope, shims, tuple(items), dict(owners), root, package)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ installed unconditionally and the adapter decides when the runner constructs it:
 ``compat/settings.py``) and method ``mtp``/``deepseek_mtp`` it drafts with ``MtpTorchairProposer``;
 otherwise it is vLLM's ``EagleProposer`` unchanged. ``VLLM_PLUGINS`` (entry-point names) excludes it.
 
+On the Ascend platform vllm-ascend's runner builds its drafter from its own factory: :func:`register` patches
+that instead (``compat/ascend.py``) and leaves vLLM's global alone.
+
 If the seam itself is gone (no ``EagleProposer`` global in the runner's module), :func:`register` raises
 :class:`~ascend_spec.compat.shims.VllmApiMissing`; further probes run when an enabled adapter is built.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+from . import ascend
 from .drafter import build_adapter_class
 from .shims import Missing, raise_if_missing
 
@@ -25,7 +29,11 @@ SEAM = "EagleProposer"
 
 
 def register() -> None:
-    """Rebind ``vllm.v1.worker.gpu_model_runner.EagleProposer`` to the adapter (idempotent)."""
+    """Rebind ``vllm.v1.worker.gpu_model_runner.EagleProposer`` to the adapter (idempotent); on Ascend, patch
+    vllm-ascend's drafter factory instead."""
+    if ascend.on_ascend():
+        ascend.install()
+        return
     try:
         import vllm.v1.worker.gpu_model_runner as gmr
     except ImportError as e:

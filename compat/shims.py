@@ -152,7 +152,7 @@ def backup_next_token_ids(requests: Any, input_batch: Any, num_reqs: int) -> tor
     return out
 
 
-@covers("discard_requests")
+@covers("discard_requests", "ascend_discard_indices")
 def discard_mask(discard: torch.Tensor | None, num_reqs: int, num_discarded: Any = None,
                  device: torch.device | None = None) -> torch.Tensor:
     """Boolean ``[num_reqs]`` mask of requests whose sampled token is thrown away.
@@ -332,3 +332,14 @@ def detected_drift(runner: Any) -> dict[str, str]:
     out["discard_requests"] = ("discard_request_mask" if hasattr(runner, "discard_request_mask")
                                else "discard_request_indices")
     return out
+
+
+@covers("ascend_draft_block_size")
+def draft_block_size(proposer: Any) -> int:
+    """The draft layer's KV block size: vLLM 0.32's ``proposer.block_size``; on vllm-ascend (whose base proposer
+    has no such attribute) the runner's ``initialize_attn_backend`` argument, else the draft group's cache spec."""
+    for attr in ("block_size", "_ascend_block_size"):
+        size = getattr(proposer, attr, None)
+        if isinstance(size, int):
+            return size
+    return int(proposer.draft_attn_groups[0].kv_cache_spec.block_size)

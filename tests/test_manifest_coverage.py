@@ -41,7 +41,7 @@ def _load_manifest_module():
 
 
 M = _load_manifest_module()
-VLLM_DOTTED = re.compile(r"^vllm(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+VLLM_DOTTED = re.compile(r"^vllm(_ascend)?(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 ATTR_FUNCS = {"getattr", "hasattr", "setattr", "delattr"}
 
 
@@ -158,9 +158,10 @@ def scan_file(path: Path, owners: dict[str, str], root: Path = COMPAT) -> list[T
 
 
 class Coverage:
-    """Judges touches against a manifest."""
+    """Judges touches against a manifest (and, for the Ascend route, vllm-ascend's: ``also``)."""
 
-    def __init__(self, manifest) -> None:
+    def __init__(self, manifest, also=None) -> None:
+        self.also = Coverage(also) if also is not None else None
         self.m = manifest
         self.qualified = manifest.qualified_names()
         self.modules = manifest.modules()
@@ -171,6 +172,9 @@ class Coverage:
                            for q in it.qualified_names()}
 
     def covered(self, t: Touch) -> bool:
+        return self._covered(t) or (self.also is not None and self.also._covered(t))
+
+    def _covered(self, t: Touch) -> bool:
         if t.how == "covers":
             return t.name in self.m.shims
         if t.how in ("owner-attribute",) or (t.how == "getattr" and "." in t.name and not t.name.startswith("vllm")):
@@ -222,7 +226,7 @@ def compat_files() -> list[Path]:
 
 def test_compat_touches_only_manifest_names():
     manifest = M.load()
-    cov = Coverage(manifest)
+    cov = Coverage(manifest, M.load(M.ASCEND_PATH))
     missing: list[Touch] = []
     for p in compat_files():
         missing += [t for t in scan_file(p, dict(manifest.owners)) if not cov.covered(t)]
@@ -237,16 +241,18 @@ def test_compat_touches_only_manifest_names():
 def test_every_shim_marked_in_compat_exists():
     """``@covers("id")`` in compat must name a manifest shim; once compat marks shims, all must be marked."""
     manifest = M.load()
+    ascend = M.load(M.ASCEND_PATH)
+    shims = {**manifest.shims, **ascend.shims}
     marked: dict[str, list[str]] = {}
     for p in compat_files():
         for t in scan_file(p, {}):
             if t.how == "covers":
                 marked.setdefault(t.name, []).append(f"{t.file}:{t.line}")
-    unknown = {k: v for k, v in marked.items() if k not in manifest.shims}
+    unknown = {k: v for k, v in marked.items() if k not in shims}
     assert not unknown, f"covers() names shim ids the manifest lacks: {unknown}"
     if not marked:
         pytest.skip("compat/ marks no shims with covers() yet")
-    unmarked = sorted(set(manifest.shims) - set(marked))
+    unmarked = sorted(set(shims) - set(marked))
     assert not unmarked, f"manifest shims with no @covers(...) implementation in compat/: {unmarked}"
 
 
@@ -309,6 +315,17 @@ def test_scanner_flags_exactly_the_uncovered_names(tmp_path: Path):
             "GPUModelRunner.positions", "vllm.general_plugins"} <= names
     assert "GPUModelRunner.hidden_thing" not in names  # ignored line
     assert "anything" not in names  # getattr on self
+
+
+def test_ascend_manifest_validates_and_scanner_judges_vllm_ascend_names(tmp_path: Path):
+    ascend = M.load(M.ASCEND_PATH)
+    assert ascend.root == "vllm_ascend" and ascend.items and ascend.shims
+    (tmp_path / "compat").mkdir()
+    f = tmp_path / "compat" / "sample.py"
+    f.write_text('A = "vllm_ascend.spec_decode"\nB = "vllm_ascend.not_a_module"\n')
+    cov = Coverage(M.load(), ascend)
+    missing = [t.name for t in scan_file(f, {}, root=tmp_path / "compat") if not cov.covered(t)]
+    assert missing == ["vllm_ascend.not_a_module"]
 
 
 def test_manifest_validates():

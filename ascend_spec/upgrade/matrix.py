@@ -44,7 +44,14 @@ def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version | None, jobs: in
                 trees[futs[f]] = f.result()
     finally:
         prog.close()
-    readings: dict[Version, dict[str, Reading]] = {}
+    text, data, code = render_matrix(manifest, fetcher.package, versions, trees)
+    data["fetch"] = fetcher.stats
+    return text, data, code
+
+
+def render_matrix(manifest, package: str, versions: list, trees: dict) -> tuple[str, dict, int]:
+    """The drift table over ``versions`` (oldest first), each read from ``trees[version]``."""
+    readings: dict = {}
     for v in versions:
         r = Reader(trees[v])
         readings[v] = {it.id: r.read(it) for it in manifest.items}
@@ -52,7 +59,8 @@ def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version | None, jobs: in
     if unparsed:
         raise CheckError("cannot parse " + "; ".join(unparsed) + " (a newer Python may be needed)")
     first, last = versions[0], versions[-1]
-    lines = [f"## vLLM API drift across {fetcher.package} {first} … {last} ({len(versions)} releases)", "",
+    lines = [f"## {'vLLM' if manifest.root == 'vllm' else manifest.package} API drift across {package} {first} … "
+             f"{last} ({len(versions)} releases)", "",
              f"| item | {first} | drifted in (release: before → after) | {last} | verdict {first} → {last} "
              f"| unsupported in |", "|---|---|---|---|---|---|"]
     out_items = []
@@ -79,8 +87,7 @@ def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version | None, jobs: in
     lines += ["", f"**{len(manifest.items)} items** over {len(versions)} releases; "
                   f"{sum(bool(i['drifts']) for i in out_items)} items drifted at least once; "
                   f"{broken_last} BROKEN in {last}."]
-    data = {"package": fetcher.package, "releases": [str(v) for v in versions], "items": out_items,
-            "fetch": fetcher.stats}
+    data = {"package": package, "releases": [str(v) for v in versions], "items": out_items}
     return "\n".join(lines), data, 1 if broken_last else 0
 
 

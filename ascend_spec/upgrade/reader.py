@@ -354,6 +354,30 @@ class Reader:
             detail = (detail + "; " if detail else "") + f"{len(calls)} call shapes"
         return Reading(fp, shape, f"{self.t.rel(self.t.module_file(mod))}:{st.lineno}", detail)
 
+    def _isinstance_check(self, item) -> Reading:
+        """``isinstance(<subject>, A | B ...)`` checks in one method: do they accept class ``accepts``?"""
+        loc = item.locator
+        cls = self.t.find_class(loc["module"], loc["class"])
+        hit = self.t.find_method(cls, loc["method"]) if cls is not None else None
+        if hit is None:
+            return Reading(dict(ABSENT), "absent", detail=f"no {loc['class']}.{loc['method']}() in {loc['module']}")
+        owner, fn = hit
+        checks: list[tuple[list[str], int]] = []
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Call) and dotted(n.func) == "isinstance" and len(n.args) == 2 \
+                    and ast.unparse(n.args[0]) == loc["subject"]:
+                names = sorted({x.id if isinstance(x, ast.Name) else x.attr for x in ast.walk(n.args[1])
+                                if isinstance(x, (ast.Name, ast.Attribute))})
+                checks.append((names, n.lineno))
+        if not checks:
+            return Reading(dict(ABSENT), "absent", f"{self.t.rel(owner.path)}:{fn.lineno}",
+                           detail=f"no isinstance({loc['subject']}, ...) in {loc['method']}()")
+        accepting = [c for c in checks if loc["accepts"] in c[0]]
+        names, line = accepting[0] if accepting else checks[0]
+        fp = {"found": True, "classes": names, "_accepts": bool(accepting)}
+        return Reading(fp, " | ".join(names), f"{self.t.rel(owner.path)}:{line}",
+                       "" if accepting else f"{loc['accepts']} not accepted")
+
     def _call_site(self, item) -> Reading:
         loc = item.locator
         fname = loc["function"].rsplit(".", 1)[-1]

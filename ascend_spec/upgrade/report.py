@@ -57,7 +57,7 @@ def md_cell(s: str) -> str:
 
 def render_markdown(rows: list[Row], before: SourceTree, after: SourceTree, extra: str = "") -> str:
     fl, tl = before.version or before.label, after.version or after.label
-    out = [f"## vLLM API drift: {before.label} → {after.label}", "",
+    out = [f"## API drift: {before.label} → {after.label}", "",
            f"| item | from ({fl}) | to ({tl}) | verdict | evidence |", "|---|---|---|---|---|"]
     for r in rows:
         v = r.verdict.text if not r.verdict.broken else "**BROKEN**"

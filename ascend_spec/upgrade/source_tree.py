@@ -40,8 +40,10 @@ class Def:
 
 
 class SourceTree:
-    def __init__(self, root: Path, label: str, version: str | None = None) -> None:
+    def __init__(self, root: Path, label: str, version: str | None = None,
+                 packages: tuple[str, ...] = ("vllm",)) -> None:
         self.root = Path(root)
+        self.packages = packages  # top-level packages read (vllm; vllm_ascend for vllm-ascend's tree)
         self.label = label
         self.version = version
         self._ast: dict[Path, ast.Module | None] = {}
@@ -80,7 +82,7 @@ class SourceTree:
         return self.parse(self.module_file(mod))
 
     def all_modules(self) -> Iterator[str]:
-        for p in sorted((self.root / "vllm").rglob("*.py")):
+        for p in sorted(f for pkg in self.packages for f in (self.root / pkg).rglob("*.py")):
             parts = list(p.relative_to(self.root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()

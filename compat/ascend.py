@@ -1,0 +1,293 @@
+"""The vllm-ascend route: our drafter as the MTP drafter of vllm-ascend's NPU model runner.
+
+vllm-ascend's ``NPUModelRunner`` drops the drafter vLLM's runner built and takes its own from
+``vllm_ascend.spec_decode.get_spec_decode_method(method, vllm_config, device, runner)`` (``AscendEagleProposer`` for
+``mtp``), so swapping vLLM's ``EagleProposer`` global reaches no vllm-ascend user. On the Ascend platform
+:func:`install` instead wraps that factory (lazily: vllm-ascend's modules import after the general plugins run) so
+that, with ``additional_config.ascend_spec.enabled`` and method ``mtp``, it returns :func:`ascend_adapter_class`:
+an ``AscendEagleProposer`` subclass that drafts with ``MtpTorchairProposer`` on the weights vllm-ascend loaded,
+inside ``set_ascend_forward_context``, and hands everything else to vllm-ascend's own ``_propose``. Without the
+switch the factory returns vllm-ascend's own drafter, untouched. vLLM's global is left alone on Ascend.
+
+The V2 model runner (``use_v2_model_runner``) builds its speculator elsewhere (``init_speculator``); with the
+switch on it is refused with one error.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+from ascend_spec.config import ConfigError
+
+from . import ascend_hook
+from .drafter import build_adapter_class
+from .manifest import covers
+from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
+from .shims import Missing, call_with_supported, raise_if_missing
+
+logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
+
+FACTORY_MODULE = "vllm_ascend.spec_decode"
+FACTORY = "get_spec_decode_method"
+RUNNER_MODULE = "vllm_ascend.worker.model_runner_v1"
+PROPOSER_MODULE = "vllm_ascend.spec_decode.eagle_proposer"
+PROPOSER = "AscendEagleProposer"
+FORWARD_CONTEXT_MODULE = "vllm_ascend.ascend_forward_context"
+FORWARD_CONTEXT = "set_ascend_forward_context"
+#: where ``init_speculator`` lives: v0.23.0 in the eagle submodule, from v0.24.0rc1 in the package
+V2_SPECULATOR_MODULES = ("vllm_ascend.worker.v2.spec_decode", "vllm_ascend.worker.v2.spec_decode.eagle")
+V2_SPECULATOR = "init_speculator"
+V2_RUNNER_MODULE = "vllm_ascend.worker.v2.model_runner"
+#: the Ascend runner's ``_propose`` keywords the adapter reads; the others are only forwarded on fallback
+PROPOSE_KEYWORDS = ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
+                    "token_indices_to_sample", "common_attn_metadata", "sampling_metadata")
+
+_PATCHED = "__ascend_spec_patched__"
+
+
+def on_ascend() -> bool:
+    """True when vLLM resolved the Ascend platform (vllm-ascend's ``NPUPlatform``, device type ``npu``)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return getattr(current_platform, "device_type", None) == "npu"
+
+
+def enabled_for(vllm_config: Any, method: str) -> bool:
+    """Whether this engine asked for our drafter (the switch, and an MTP method). Bad settings raise here."""
+    settings = PluginSettings.from_additional_config(vllm_config.additional_config)
+    return settings.enabled and method in METHODS
+
+
+def refuse_v2(vllm_config: Any) -> None:
+    """One error when the switch is on under vllm-ascend's V2 model runner (its speculator is not ours)."""
+    if PluginSettings.from_additional_config(vllm_config.additional_config).enabled:
+        raise ConfigError(
+            f"additional_config.{ADDITIONAL_CONFIG_KEY}.enabled=true needs vllm-ascend's V1 model runner "
+            f"(NPUModelRunner); the V2 runner (use_v2_model_runner, VLLM_USE_V2_MODEL_RUNNER=1) builds its "
+            f"speculator with {V2_SPECULATOR} and is not supported. Allowed: VLLM_USE_V2_MODEL_RUNNER=0 with "
+            f"enabled=true, or enabled=false")
+
+
+# ------------------------------------------------------------------------------------------ the factory
+
+
+def patched_factory(original: Callable[..., Any], adapter: Callable[[], type]) -> Callable[..., Any]:
+    """``get_spec_decode_method`` that builds our adapter for an enabled MTP engine, else calls ``original``."""
+
+    @functools.wraps(original)
+    def get_spec_decode_method(method: str, vllm_config: Any, device: Any, runner: Any) -> Any:
+        if enabled_for(vllm_config, method):
+            if bool(getattr(vllm_config, "use_v2_model_runner", False)):
+                refuse_v2(vllm_config)
+            if uses_other_mtp(vllm_config):
+                logger.warning("ascend_spec drafter enabled, but this MTP model is not DeepSeek's (step3p5): "
+                               "vllm-ascend's drafter is used")
+            else:
+                return adapter()(vllm_config, device, runner)
+        return original(method, vllm_config, device, runner)
+
+    setattr(get_spec_decode_method, _PATCHED, original)
+    return get_spec_decode_method
+
+
+def uses_other_mtp(vllm_config: Any) -> bool:
+    """vllm-ascend routes Step-3.5's MTP to its own proposer; ours drafts DeepSeek's MTP layer only."""
+    speculative_config = vllm_config.speculative_config
+    probe = getattr(speculative_config, "use_step3p5_mtp", None)
+    return bool(probe()) if callable(probe) else False
+
+
+def patched_speculator(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_speculator(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_v2(vllm_config)
+        return original(vllm_config, *args, **kwargs)
+
+    setattr(init_speculator, _PATCHED, original)
+    return init_speculator
+
+
+def _patch_global(module: ModuleType, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    fn = getattr(module, name, None)
+    if fn is None or getattr(fn, _PATCHED, None) is not None:
+        return
+    setattr(module, name, wrap(fn))
+    logger.debug("ascend_spec: patched %s.%s", module.__name__, name)
+
+
+def _patch_factory_module(module: ModuleType) -> None:
+    _patch_global(module, FACTORY, lambda f: patched_factory(f, ascend_adapter_class))
+
+
+def _rebind(module: ModuleType, name: str, sources: tuple[str, ...]) -> None:
+    """A runner imported ``name`` by value: when it did so before the patch (it was imported before the hook),
+    point it at the patched function of whichever source module it came from."""
+    mine = getattr(module, name, None)
+    for src in sources:
+        ours = getattr(sys.modules.get(src), name, None)
+        if ours is not None and mine is not None and mine is getattr(ours, _PATCHED, None):
+            setattr(module, name, ours)
+            logger.debug("ascend_spec: rebound %s.%s", module.__name__, name)
+
+
+def _patch_runner_module(module: ModuleType) -> None:
+    _rebind(module, FACTORY, (FACTORY_MODULE,))
+
+
+@covers("ascend_v2_speculator_location")
+def _patch_speculator_module(module: ModuleType) -> None:
+    _patch_global(module, V2_SPECULATOR, patched_speculator)
+
+
+@covers("ascend_v2_speculator_location")
+def _patch_v2_runner_module(module: ModuleType) -> None:
+    _rebind(module, V2_SPECULATOR, V2_SPECULATOR_MODULES)
+
+
+def install() -> None:
+    """Patch vllm-ascend's drafter factory (and the V2 speculator) now or when they are imported."""
+    h = ascend_hook.hook()
+    if FACTORY_MODULE not in h.patches:
+        h.watch(FACTORY_MODULE, _patch_factory_module)
+        h.watch(RUNNER_MODULE, _patch_runner_module)
+        for mod in V2_SPECULATOR_MODULES:
+            h.watch(mod, _patch_speculator_module)
+        h.watch(V2_RUNNER_MODULE, _patch_v2_runner_module)
+
+
+# ------------------------------------------------------------------------------------------ the adapter
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter_for(base: type) -> type:
+    return build_ascend_adapter_class(base)
+
+
+def ascend_adapter_class() -> type:
+    """Our adapter on the installed vllm-ascend's ``AscendEagleProposer`` (built once per base class)."""
+    try:
+        base = getattr(importlib.import_module(PROPOSER_MODULE), PROPOSER)
+    except (ImportError, AttributeError) as e:
+        raise_if_missing([Missing(f"{PROPOSER_MODULE}.{PROPOSER}", f"cannot be imported ({e})",
+                                  "AscendEagleProposer")], "vllm-ascend drafter")
+        raise
+    return _adapter_for(base)
+
+
+#: Ascend runner calls the adapter relies on, and the parameters it handles (manifest items AscendEagleProposer.*)
+ASCEND_PROPOSER_METHODS: dict[str, tuple[str, ...]] = {
+    "_propose": PROPOSE_KEYWORDS,
+    "prepare_next_token_ids_padded": ("sampled_token_ids", "requests", "gpu_input_batch"),
+    "prepare_inputs_padded": ("common_attn_metadata", "spec_decode_metadata", "valid_sampled_tokens_count"),
+    "load_model": (),
+    "dummy_run": ("num_tokens",),
+    "initialize_attn_backend": ("kv_cache_config",),
+}
+
+
+def probe_ascend_proposer_api(base: type) -> list[Missing]:
+    """Check ``AscendEagleProposer``'s methods before an enabled adapter relies on them."""
+    missing: list[Missing] = []
+    for method, needs in ASCEND_PROPOSER_METHODS.items():
+        fn = getattr(base, method, None)
+        if fn is None:
+            missing.append(Missing(f"{PROPOSER}.{method}", "method not found", f"AscendEagleProposer.{method}"))
+            continue
+        params = inspect.signature(fn).parameters
+        lacking = [p for p in needs if p not in params]
+        if lacking:
+            missing.append(Missing(f"{PROPOSER}.{method}", f"parameter(s) {lacking} not in {list(params)}",
+                                   f"AscendEagleProposer.{method}"))
+    return missing
+
+
+@covers("ascend_propose_num_spec_tokens")
+def propose_k(num_speculative_tokens: int | None, default: int) -> int:
+    """K for this step: main passes ``num_speculative_tokens`` to ``_propose``; up to v0.25.1rc1 it is the
+    drafter's own ``num_speculative_tokens``."""
+    return default if num_speculative_tokens is None else int(num_speculative_tokens)
+
+
+@covers("ascend_propose_num_spec_tokens")
+def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: int) -> dict[str, Any]:
+    """The keywords for vllm-ascend's own ``_propose``: K added where it takes it (main), never where it does not."""
+    if "num_speculative_tokens" in inspect.signature(theirs).parameters:
+        return {**passed, "num_speculative_tokens": k}
+    return passed
+
+
+def build_ascend_adapter_class(base: type) -> type:
+    """Subclass vllm-ascend's ``AscendEagleProposer`` (``base``) into the adapter the NPU runner drives."""
+    Adapter = build_adapter_class(base)
+
+    class AscendSpecNpuMtpProposer(Adapter):  # type: ignore[misc, valid-type]
+        """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
+        block_size)``; ``dummy_run`` and the 4-tuple ``prepare_inputs_padded`` stay vllm-ascend's (they prepare
+        its graphs and metadata, which fallbacks use)."""
+
+        def _probe_api(self) -> list[Missing]:
+            return probe_ascend_proposer_api(base)
+
+        def initialize_attn_backend(self, kv_cache_config: Any, block_size: Any = None, *args: Any,
+                                    **kwargs: Any) -> None:
+            if isinstance(block_size, int):
+                self._ascend_block_size = block_size
+            extra = () if block_size is None else (block_size,)
+            super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
+
+        def _propose(self, *, target_token_ids: Any = None, target_positions: Any = None,
+                     target_hidden_states: Any = None, next_token_ids: Any = None,
+                     token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
+                     target_model_batch_desc: Any = None, sampling_metadata: Any = None,
+                     mm_embed_inputs: Any = None, req_scheduled_tokens: Any = None, long_seq_metadata: Any = None,
+                     num_prefill_reqs: int = 0, num_decode_reqs: int = 0, scheduler_output: Any = None,
+                     num_scheduled_tokens: int = 0, num_rejected_tokens_gpu: Any = None,
+                     num_speculative_tokens: int | None = None, **kwargs: Any) -> Any:
+            passed = dict(target_token_ids=target_token_ids, target_positions=target_positions,
+                          target_hidden_states=target_hidden_states, next_token_ids=next_token_ids,
+                          token_indices_to_sample=token_indices_to_sample,
+                          common_attn_metadata=common_attn_metadata, target_model_batch_desc=target_model_batch_desc,
+                          sampling_metadata=sampling_metadata, mm_embed_inputs=mm_embed_inputs,
+                          req_scheduled_tokens=req_scheduled_tokens, long_seq_metadata=long_seq_metadata,
+                          num_prefill_reqs=num_prefill_reqs, num_decode_reqs=num_decode_reqs,
+                          scheduler_output=scheduler_output, num_scheduled_tokens=num_scheduled_tokens,
+                          num_rejected_tokens_gpu=num_rejected_tokens_gpu, **kwargs)
+            k = propose_k(num_speculative_tokens, self.num_speculative_tokens)
+            theirs = super()._propose
+            passed = their_propose_kwargs(theirs, passed, k)
+            return self._draft_or_delegate(
+                k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata,
+                self._ascend_only_reason(mm_embed_inputs, long_seq_metadata, num_prefill_reqs, num_decode_reqs),
+                lambda: call_with_supported(theirs, **passed))
+
+        @staticmethod
+        def _ascend_only_reason(mm_embed_inputs: Any, long_seq_metadata: Any, num_prefill_reqs: int,
+                                num_decode_reqs: int) -> str | None:
+            if mm_embed_inputs is not None:
+                return "multimodal"
+            if long_seq_metadata is not None or num_prefill_reqs or num_decode_reqs:
+                return "context_parallel"  # pcp/dcp split the tokens across ranks: vllm-ascend's path
+            return None
+
+        def _draft_context(self, f: Any, k: int) -> Any:
+            ctx = getattr(importlib.import_module(FORWARD_CONTEXT_MODULE), FORWARD_CONTEXT)
+            return forward_context(ctx, self.vllm_config, f.num_reqs * (1 + k))
+
+    AscendSpecNpuMtpProposer.__qualname__ = AscendSpecNpuMtpProposer.__name__
+    return AscendSpecNpuMtpProposer
+
+
+@covers("ascend_forward_context_params")
+def forward_context(set_ctx: Callable[..., Any], vllm_config: Any, num_tokens: int) -> Any:
+    """vllm-ascend's forward context for a draft of ``num_tokens`` (MoE communication, TP groups read it). Only
+    keywords every supported release accepts are passed; releases add and drop others (``input_ids``)."""
+    return call_with_supported(set_ctx, None, vllm_config, num_tokens=num_tokens, is_draft_model=True,
+                               in_profile_run=False)

@@ -1,0 +1,1 @@
+# excerpt of vllm-ascend main: vllm_ascend/__init__.py (empty)

@@ -1,0 +1,6 @@
+# excerpt of vllm-ascend v0.23.0: vllm_ascend/worker/v2/spec_decode/eagle/__init__.py (signatures)
+import torch
+from vllm.config import VllmConfig
+
+def init_speculator(vllm_config: VllmConfig, device: torch.device):
+    ...

@@ -1,0 +1,1 @@
+# excerpt of vllm-ascend v0.24.0rc1: vllm_ascend/worker/__init__.py (empty)

@@ -1,0 +1,2 @@
+# excerpt of vllm-ascend v0.25.1rc1: vllm_ascend/worker/v2/spec_decode/eagle/__init__.py (signatures)
+

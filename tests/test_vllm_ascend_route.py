@@ -1,0 +1,448 @@
+"""The Ascend route (compat/ascend.py) against every supported vllm-ascend release's own sources, without an NPU.
+
+Per release (tests/data/vllm_ascend/<tag>, excerpts of its source archive): the runner's calls on its drafter bind to
+our adapter; our adapter accepts every parameter of ``AscendEagleProposer``'s methods; vllm-ascend's real factory,
+patched through the import hook, returns our adapter when enabled and its own drafter otherwise; the runner's
+isinstance guards accept our adapter; ``_propose``'s keywords become the right ``DraftInputs``; the V2 runner is
+refused. vllm-ascend's own files run where they can (factory, AscendEagleProposer); see vllm_ascend_standin.py.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+from ascend_spec.compat import ascend, ascend_hook
+from ascend_spec.config import ConfigError
+
+from . import vllm_ascend_standin as standin
+from .conftest import npu_available
+
+TAGS = standin.TAGS
+#: NPUModelRunner methods holding the guards our drafter must pass (the MTP path reaches all three)
+GUARDED = ("initialize_kv_cache", "_check_and_update_cudagraph_mode", "_build_attention_metadata")
+#: the drafter methods the Ascend runner calls for mtp
+RUNNER_CALLS = ("_propose", "prepare_next_token_ids_padded", "prepare_inputs_padded", "dummy_run", "load_model",
+                "initialize_attn_backend", "initialize_cudagraph_keys")
+
+
+def vllm_config(enabled: bool | None = True, method: str = "mtp", k: int = 2, step3p5: bool = False,
+                v2: bool = False) -> types.SimpleNamespace:
+    extra = {} if enabled is None else {"ascend_spec": {"enabled": enabled}}
+    spec = types.SimpleNamespace(method=method, num_speculative_tokens=k, draft_sample_method="greedy",
+                                 use_step3p5_mtp=lambda: step3p5)
+    return types.SimpleNamespace(additional_config=extra, speculative_config=spec, use_v2_model_runner=v2,
+                                 model_config=types.SimpleNamespace(max_model_len=64, dtype=torch.float32),
+                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4))
+
+
+@pytest.fixture(params=TAGS)
+def release(request, tmp_path, monkeypatch):
+    """vllm-ascend ``tag`` importable from tmp_path, with the route's import hook installed first."""
+    tag = request.param
+    standin.forget()
+    ascend_hook.uninstall()
+    standin.build(tag, tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ascend.install()
+    yield tag
+    standin.forget()
+    ascend_hook.uninstall()
+
+
+def runner_class(tag: str) -> ast.ClassDef:
+    tree = ast.parse(standin.excerpt(tag, "vllm_ascend/worker/model_runner_v1.py"))
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NPUModelRunner")
+
+
+def drafter_calls(tag: str) -> dict[str, list[ast.Call]]:
+    """``self.drafter.<method>(...)`` calls in the release's NPUModelRunner."""
+    out: dict[str, list[ast.Call]] = {}
+    for n in ast.walk(runner_class(tag)):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                and ast.unparse(n.func.value) == "self.drafter":
+            out.setdefault(n.func.attr, []).append(n)
+    return out
+
+
+def their_methods(tag: str) -> dict[str, ast.FunctionDef]:
+    """Methods of AscendEagleProposer in the release: its own, then AscendSpecDecodeBaseProposer's."""
+    out: dict[str, ast.FunctionDef] = {}
+    for path, cls in (("vllm_ascend/spec_decode/eagle_proposer.py", "AscendEagleProposer"),
+                      ("vllm_ascend/spec_decode/llm_base_proposer.py", "AscendSpecDecodeBaseProposer")):
+        for n in ast.parse(standin.excerpt(tag, path)).body:
+            if isinstance(n, ast.ClassDef) and n.name == cls:
+                for f in n.body:
+                    if isinstance(f, ast.FunctionDef):
+                        out.setdefault(f.name, f)
+    return out
+
+
+def adapter_class() -> type:
+    return ascend.ascend_adapter_class()
+
+
+# ------------------------------------------------------------------------------------------ signatures
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_runner_calls_on_the_drafter_bind_to_our_adapter(tag, tmp_path, monkeypatch):
+    calls = drafter_calls(tag)
+    assert set(RUNNER_CALLS) <= set(calls), f"{tag}: the runner no longer calls {set(RUNNER_CALLS) - set(calls)}"
+    standin.forget()
+    standin.build(tag, tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cls = ascend.build_ascend_adapter_class(
+            __import__("vllm_ascend.spec_decode.eagle_proposer", fromlist=["x"]).AscendEagleProposer)
+        for name in RUNNER_CALLS:
+            sig = inspect.signature(getattr(cls, name))
+            for call in calls[name]:
+                if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+                    continue
+                args = [object()] * (1 + len(call.args))  # self + positional
+                kwargs = {k.arg: object() for k in call.keywords}
+                try:
+                    sig.bind(*args, **kwargs)
+                except TypeError as e:
+                    pytest.fail(f"{tag}: runner line {call.lineno} `{ast.unparse(call)[:120]}` does not bind to "
+                                f"our {name}{sig}: {e}")
+        assert all(not c.args for c in calls["_propose"]), "the runner passes _propose positionally now"
+    finally:
+        standin.forget()
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_adapter_accepts_every_parameter_of_ascend_eagle_proposer(tag, tmp_path, monkeypatch):
+    theirs = their_methods(tag)
+    standin.build(tag, tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    standin.forget()
+    try:
+        base = __import__("vllm_ascend.spec_decode.eagle_proposer", fromlist=["x"]).AscendEagleProposer
+        cls = ascend.build_ascend_adapter_class(base)
+        for name in ("_propose", "prepare_next_token_ids_padded", "prepare_inputs_padded", "dummy_run",
+                     "load_model"):
+            fn = theirs[name]
+            ours = inspect.signature(getattr(cls, name)).parameters
+            var_kw = any(p.kind is p.VAR_KEYWORD for p in ours.values())
+            var_pos = any(p.kind is p.VAR_POSITIONAL for p in ours.values())
+            their_pos = [a.arg for a in fn.args.args][1:]
+            their_kw = [a.arg for a in fn.args.kwonlyargs]
+            for i, p in enumerate(their_pos + their_kw):
+                assert p in ours or var_kw, f"{tag}: our {name} does not accept {p!r}"
+            # positional order: where theirs can be called positionally, ours takes the same name at the index
+            our_pos = [p.name for p in ours.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+            if name != "_propose":  # called with keywords only (checked on the runner above)
+                for i, p in enumerate(their_pos):
+                    assert i < len(our_pos) and our_pos[i] in (p, "discard_request_mask", "target_model") \
+                        or (i >= len(our_pos) and var_pos), f"{tag}: {name} positional #{i} {p!r} vs ours {our_pos}"
+            # nothing we require that they do not pass
+            required = [p.name for p in ours.values() if p.default is p.empty
+                        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.name != "self"]
+            assert len(required) <= len(their_pos) + len(their_kw), f"{tag}: our {name} requires {required}"
+    finally:
+        standin.forget()
+
+
+# ------------------------------------------------------------------------------------------ the factory
+
+
+def test_patched_factory_returns_our_adapter_only_when_enabled(release):
+    import vllm_ascend.spec_decode as sd
+    from vllm_ascend.spec_decode.eagle_proposer import AscendEagleProposer
+
+    assert getattr(sd.get_spec_decode_method, "__ascend_spec_patched__", None) is not None
+    ours = sd.get_spec_decode_method("mtp", vllm_config(True), "cpu", runner="R")
+    assert isinstance(ours, AscendEagleProposer) and type(ours) is not AscendEagleProposer
+    assert type(ours).__ascend_spec_adapter__ and ours.ascend_enabled and ours.runner == "R"
+    for cfg, method in ((vllm_config(None), "mtp"), (vllm_config(False), "mtp"), (vllm_config(True), "eagle"),
+                        (vllm_config(True, method="eagle"), "eagle")):
+        theirs = sd.get_spec_decode_method(method, cfg, "cpu", "R")
+        assert type(theirs) is AscendEagleProposer, (release, cfg.additional_config, method)
+    other = sd.get_spec_decode_method("mtp", vllm_config(True, step3p5=True), "cpu", "R")
+    assert type(other).__name__ == "AscendStep3p5MTPProposer"
+
+
+def test_runner_module_binds_the_patched_factory_in_either_import_order(release):
+    import vllm_ascend.worker.model_runner_v1 as runner_mod
+
+    assert runner_mod.get_spec_decode_method is sys.modules["vllm_ascend.spec_decode"].get_spec_decode_method
+    # imported before the hook (another plugin imported vllm-ascend first): install() patches in place
+    standin.forget()
+    ascend_hook.uninstall()
+    import vllm_ascend.worker.model_runner_v1 as early
+
+    assert getattr(early.get_spec_decode_method, "__ascend_spec_patched__", None) is None
+    ascend.install()
+    assert getattr(early.get_spec_decode_method, "__ascend_spec_patched__", None) is not None
+    assert early.get_spec_decode_method is sys.modules["vllm_ascend.spec_decode"].get_spec_decode_method
+
+
+def test_v2_runner_imported_before_the_hook_is_rebound(release):
+    standin.forget()
+    ascend_hook.uninstall()
+    import vllm_ascend.worker.v2.model_runner as v2_runner
+
+    assert getattr(v2_runner.init_speculator, "__ascend_spec_patched__", None) is None
+    ascend.install()
+    with pytest.raises(ConfigError, match="use_v2_model_runner"):
+        v2_runner.init_speculator(vllm_config(True), "cpu")
+
+
+def test_bad_settings_raise_from_the_factory(release):
+    import vllm_ascend.spec_decode as sd
+
+    cfg = vllm_config(True)
+    cfg.additional_config["ascend_spec"]["warmpu"] = True
+    with pytest.raises(ConfigError, match=r"warmpu.*allowed keys"):
+        sd.get_spec_decode_method("mtp", cfg, "cpu", None)
+
+
+def test_v2_runner_is_refused_with_one_error(release):
+    import importlib
+
+    holders = [m for m in ascend.V2_SPECULATOR_MODULES
+               if "def init_speculator" in (standin.DATA / release / (m.replace(".", "/") + "/__init__.py")).read_text()]
+    assert len(holders) == 1, f"{release}: init_speculator in {holders}"
+    mod = importlib.import_module(holders[0])
+    with pytest.raises(ConfigError, match=r"ascend_spec\.enabled.*V2 runner \(use_v2_model_runner.*Allowed"):
+        mod.init_speculator(vllm_config(True), "cpu")
+    import vllm_ascend.worker.v2.model_runner as v2_runner  # imports init_speculator by name
+
+    assert v2_runner.init_speculator is mod.init_speculator
+    assert mod.init_speculator(vllm_config(False), "cpu") == ("vllm-ascend", "init_speculator")
+    import vllm_ascend.spec_decode as sd
+
+    with pytest.raises(ConfigError, match="use_v2_model_runner"):
+        sd.get_spec_decode_method("mtp", vllm_config(True, v2=True), "cpu", None)
+
+
+# ------------------------------------------------------------------------------------------ isinstance guards
+
+
+def test_runner_isinstance_guards_accept_our_adapter(release):
+    import vllm_ascend.spec_decode as sd
+    from vllm_ascend.spec_decode.eagle_proposer import AscendEagleProposer
+
+    drafter = sd.get_spec_decode_method("mtp", vllm_config(True), "cpu", None)
+    methods = {f.name: f for f in runner_class(release).body if isinstance(f, ast.FunctionDef)}
+    for name in GUARDED:
+        guards = [n.args[1] for n in ast.walk(methods[name]) if isinstance(n, ast.Call)
+                  and ast.unparse(n.func) == "isinstance" and ast.unparse(n.args[0]) == "self.drafter"]
+        ns = {x.id: type(x.id, (), {}) for g in guards for x in ast.walk(g) if isinstance(x, ast.Name)}
+        ns["AscendEagleProposer"] = AscendEagleProposer
+        accepted = [ast.unparse(g) for g in guards if isinstance(drafter, eval(ast.unparse(g), ns))]  # noqa: S307
+        assert accepted, f"{release}: NPUModelRunner.{name}: no isinstance guard accepts our drafter: " \
+                         f"{[ast.unparse(g) for g in guards]}"
+
+
+# ------------------------------------------------------------------------------------------ _propose
+
+
+class RecordingDraft:
+    """Where the adapter hands its DraftInputs: records them (the compiled draft itself is tested elsewhere)."""
+
+    def __init__(self, k: int, cache: torch.Tensor) -> None:
+        self.num_speculative_tokens = k
+        self.draft_cache = cache
+        self.inputs = []
+        self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4)
+
+    def propose(self, inputs):
+        self.inputs.append(inputs)
+        return torch.full((inputs.next_token_ids.shape[0], self.num_speculative_tokens), 7)
+
+
+def attn_metadata(qsl: list[int], seq_lens: list[int], k: int, block_table: torch.Tensor):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    q = torch.tensor(qsl, dtype=torch.int32)
+    t = qsl[-1]
+    return CommonAttentionMetadata(
+        query_start_loc=q, query_start_loc_cpu=q.clone(), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(qsl) - 1, num_actual_tokens=t, max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
+        max_seq_len=max(seq_lens), block_table_tensor=block_table, slot_mapping=torch.arange(100, 100 + t))
+
+
+def recorded_inputs(qsl: list[int], seq_lens: list[int], tis: list[int], k: int = 2) -> dict:
+    """A step as NPUModelRunner.propose_draft_token_ids passes it to ``_propose`` (padded drafter batch)."""
+    t = qsl[-1]
+    cam = attn_metadata(qsl, seq_lens, k, torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)[: len(qsl) - 1])
+    return dict(target_token_ids=torch.arange(10, 10 + t), target_positions=torch.arange(t) + 20,
+                target_hidden_states=torch.arange(t * 4, dtype=torch.float32).view(t, 4),
+                next_token_ids=torch.tensor([91, 92][: len(qsl) - 1]), token_indices_to_sample=torch.tensor(tis),
+                common_attn_metadata=cam, target_model_batch_desc=object(), sampling_metadata=None,
+                req_scheduled_tokens={"a": 3}, long_seq_metadata=None, num_prefill_reqs=0, num_decode_reqs=0,
+                scheduler_output=object(), num_scheduled_tokens=t, num_rejected_tokens_gpu=None)
+
+
+def built_adapter(k: int = 2):
+    import vllm_ascend.spec_decode as sd
+
+    d = sd.get_spec_decode_method("mtp", vllm_config(True, k=k), "cpu", None)
+    d._ascend = RecordingDraft(k, torch.zeros(8, 16, 5))
+    d._ascend_cache_bound = True
+    return d
+
+
+def test_propose_translates_a_decode_step_into_draft_inputs(release):
+    import vllm_ascend.ascend_forward_context as fc
+
+    d = built_adapter()
+    fc.CALLS.clear()
+    # two requests verifying 1 + K = 3 tokens each; request 0 accepted 1 draft, request 1 all
+    out = d._propose(**recorded_inputs([0, 3, 6], [13, 23], [1, 5]))
+    assert out.shape == (2, 2) and d.ascend_stats.graph_calls == 1 and d.ascend_stats.fallback_calls == 0
+    (x,) = d._ascend.inputs
+    assert torch.equal(x.target_token_ids, torch.arange(10, 16).view(2, 3))
+    assert torch.equal(x.target_positions, (torch.arange(6) + 20).view(2, 3))
+    assert torch.equal(x.target_hidden_states, torch.arange(24, dtype=torch.float32).view(2, 3, 4))
+    assert torch.equal(x.target_slot_mapping, torch.arange(100, 106).view(2, 3))
+    assert x.token_indices_to_sample.tolist() == [1, 2]  # flat [1, 5] made per-request
+    assert x.next_token_ids.tolist() == [91, 92] and x.seq_lens.tolist() == [13, 23]
+    assert x.block_table.shape == (2, 4) and x.block_table[:, :2].tolist() == [[3, 4], [5, 6]]  # 64 / 16 blocks
+    # drafted inside vllm-ascend's forward context, sized for the draft
+    (name, args), = fc.CALLS
+    assert name == "set_ascend_forward_context" and args["num_tokens"] == 6 and args["is_draft_model"] is True
+    assert args["attn_metadata"] is None and args["vllm_config"] is d.vllm_config
+
+
+def test_propose_repacks_a_ragged_prefill_step(release):
+    d = built_adapter()
+    d._propose(**recorded_inputs([0, 4, 5], [4, 9], [3, 4]))
+    (x,) = d._ascend.inputs
+    assert x.target_token_ids.tolist() == [[10, 11, 12, 13], [14, 0, 0, 0]]
+    assert x.target_slot_mapping.tolist() == [[100, 101, 102, 103], [104, -1, -1, -1]]
+    assert x.token_indices_to_sample.tolist() == [3, 0] and d.ascend_stats.eager_calls == 1
+
+
+def test_propose_hands_what_it_cannot_draft_to_vllm_ascend(release):
+    import vllm_ascend.spec_decode.llm_base_proposer as base
+
+    d = built_adapter()
+    base.CALLS.clear()
+    step = recorded_inputs([0, 3, 6], [13, 23], [1, 5])
+    step["long_seq_metadata"] = object()  # prefill context parallel
+    assert d._propose(**step) == ("vllm-ascend", "_propose")
+    (name, args), = [c for c in base.CALLS if c[0] == "_propose"]
+    assert args["long_seq_metadata"] is step["long_seq_metadata"] and args["target_model_batch_desc"] is \
+        step["target_model_batch_desc"]
+    # K from the runner (main passes it; older releases do not take it, so it is not forwarded there)
+    step = recorded_inputs([0, 3, 6], [13, 23], [1, 5])
+    assert d._propose(num_speculative_tokens=1, **step) == ("vllm-ascend", "_propose")
+    first, forwarded = [c[1] for c in base.CALLS if c[0] == "_propose"]
+    takes_k = their_methods(release)["_propose"].args.args[1].arg == "num_speculative_tokens"
+    assert takes_k == (release == "main")
+    assert ("num_speculative_tokens" in forwarded) == takes_k and forwarded.get("num_speculative_tokens", 1) == 1
+    assert first.get("num_speculative_tokens", 2) == 2  # not passed by the runner: the drafter's own K
+    assert d.ascend_stats.fallbacks_by_reason == {"context_parallel": 1, "dynamic_k": 1}
+    assert not d._ascend.inputs
+
+
+def test_initialize_attn_backend_passes_the_runners_block_size_on(release, monkeypatch):
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from ascend_spec.compat.shims import draft_block_size
+
+    seen = []
+    monkeypatch.setattr(SpecDecodeBaseProposer, "initialize_attn_backend",
+                        lambda self, kv_cache_config, kernel_block_sizes=None: seen.append((kv_cache_config,
+                                                                                           kernel_block_sizes)))
+    d = built_adapter()
+    d.ascend_enabled = False  # only the forwarding is under test (building ours needs vllm-ascend's loaded model)
+    d.initialize_attn_backend("kv-config", 128)  # NPUModelRunner.initialize_kv_cache's call
+    assert seen == [("kv-config", 128)]
+    assert not hasattr(d, "block_size") and draft_block_size(d) == 128
+
+
+class Request:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def get_token_id(self, i: int) -> int:
+        return self.tokens[i] if i < len(self.tokens) else -1
+
+
+def test_next_token_ids_from_the_runners_discard_indices_and_count(release):
+    """NPUModelRunner passes (sampled, requests, input_batch, discard_request_indices.gpu, num_discarded_requests)."""
+    import numpy as np
+
+    calls = drafter_calls(release)["prepare_next_token_ids_padded"]
+    assert all(len(c.args) == 5 and not c.keywords for c in calls), [ast.unparse(c) for c in calls]
+    d = built_adapter()
+    d._ascend_model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=100))
+    requests = {"a": Request([1, 2, 3, 4, 5]), "b": Request([6, 7, 8]), "c": Request([9, 10])}
+    batch = types.SimpleNamespace(req_ids=["a", "b", "c"], num_tokens_no_spec=np.array([5, 3, 2]))
+    sampled = torch.tensor([[11, 12, -1], [13, -1, -1], [14, 15, 16]])
+    indices = torch.tensor([2, 0, 0, 0])  # the runner's buffer: only the first num_discarded entries count
+    next_ids, count = d.prepare_next_token_ids_padded(sampled, requests, batch, indices, 1)
+    assert next_ids.tolist() == [12, 13, 10]  # request c's sample is discarded: its last known token
+    assert count.tolist() == [2, 1, 0]
+
+
+# ------------------------------------------------------------------------------------------ the plugin
+
+
+def test_register_on_ascend_patches_the_factory_and_leaves_vllms_global(monkeypatch):
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from ascend_spec.compat import plugin
+
+    ascend_hook.uninstall()
+    before = gmr.EagleProposer
+    monkeypatch.setattr(ascend, "on_ascend", lambda: True)
+    plugin.register()
+    try:
+        assert gmr.EagleProposer is before
+        assert ascend.FACTORY_MODULE in ascend_hook.hook().patches
+    finally:
+        ascend_hook.uninstall()
+
+
+def test_on_ascend_reads_the_platforms_device_type(monkeypatch):
+    import vllm.platforms as platforms
+
+    monkeypatch.setattr(platforms, "_current_platform", types.SimpleNamespace(device_type="npu"))
+    assert ascend.on_ascend()
+    monkeypatch.setattr(platforms, "_current_platform", types.SimpleNamespace(device_type="cpu"))
+    assert not ascend.on_ascend()
+
+
+def test_vendored_excerpts_are_named_in_the_readme():
+    readme = (standin.DATA / "README.md").read_text()
+    for tag in TAGS:
+        assert (standin.DATA / tag / "vllm_ascend" / "spec_decode" / "__init__.py").is_file()
+        assert f"`{tag}`" in readme, tag
+
+
+@pytest.mark.npu
+@pytest.mark.skipif(not npu_available(), reason="needs an Ascend NPU with torch_npu, CANN and vllm-ascend")
+def test_end_to_end_on_an_npu_ours_equals_vllm_ascend_mtp_equals_no_spec():
+    """Greedy: our drafter, vllm-ascend's own MTP drafter and no speculation give the same tokens."""
+    pytest.importorskip("vllm_ascend")
+    from vllm import LLM, SamplingParams
+
+    from ascend_spec.models import BUNDLED_MODEL_DIR
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    spec = {"method": "deepseek_mtp", "num_speculative_tokens": 2}
+    outs = {}
+    for name, extra, sc in (("no-spec", {}, None),
+                            ("vllm-ascend", {"ascend_spec": {"enabled": False}}, spec),
+                            ("ours", {"ascend_spec": {"enabled": True},
+                                      "torchair_graph_config": {"backend": "torchair", "graph_batch_sizes": [1, 2, 4]}},
+                             spec)):
+        llm = LLM(model=str(BUNDLED_MODEL_DIR), speculative_config=sc, additional_config=extra, max_model_len=256)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if name == "ours":
+            from ascend_spec.compat.drafter import live_stats
+
+            assert any(s["drafter"] == "ascend_spec" and s["graph_calls"] > 0 for s in live_stats())
+        del llm
+    assert outs["ours"] == outs["vllm-ascend"] == outs["no-spec"]
