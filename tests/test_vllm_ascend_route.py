@@ -16,6 +16,8 @@ import types
 import pytest
 import torch
 
+from ascend_spec.graph.backends import ShapePolicy
+
 from ascend_spec.compat import ascend, ascend_hook
 from ascend_spec.config import ConfigError
 
@@ -252,6 +254,9 @@ class RecordingDraft:
         self.draft_cache = cache
         self.inputs = []
         self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4)
+        # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
+        self.backend = types.SimpleNamespace(shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
+                                                                trim_context=False))
 
     def propose(self, inputs):
         self.inputs.append(inputs)
