@@ -173,7 +173,7 @@ class ModelRunner:
         (every K in 0..K_max when ``adaptive_k``, then timed) — per batch bucket only where the backend compiles
         per shape — or the target step and draft chain. A bar on stderr counts graphs; one summary line ends it."""
         report = WarmupReport()
-        what = (f"fused_k{'0-' if self.cfg.adaptive_k else ''}{self.k}_{'+'.join(modes)}"
+        what = (f"fused_k{'0-' if self.cfg.adaptive_k else ''}{self.k}_{'-'.join(modes)}"
                 f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k}")
         cached = (self.compile_cache.around_warmup(self.cache_key(what)) if self.compile_cache is not None
                   else nullcontext(None))

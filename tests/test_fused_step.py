@@ -122,15 +122,15 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
                                             for m in ("greedy", "random") for lp in (False, True)}
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
-        got, stats, _ = eng.generate(prompts, params, [150, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
-        greedy, gstats, _ = eng.generate(prompts[:3], SamplingParams(), [150, 20, 40])
+        got, stats, _ = eng.generate(prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
+        greedy, gstats, _ = eng.generate(prompts[:3], SamplingParams(), [200, 20, 40])
     assert dynamo_compile_count() == before
     assert stats.recompiles_after_warmup == 0 and gstats.recompiles_after_warmup == 0
     assert stats.host_syncs == 0 and gstats.host_syncs == 0
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(prompts[:3], SamplingParams(),
-                                                                                 [150, 20, 40])
+                                                                                 [200, 20, 40])
     assert [o.token_ids for o in greedy] == [o.token_ids for o in ref]
     ref_mixed, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(
-        prompts, params, [150, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
+        prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]
