@@ -104,7 +104,7 @@ class Engine:
         :meth:`ModelRunner.warmup`); ``generate`` warms what its requests need on its own."""
         new = tuple(m for m in modes if (m, logprobs) not in self._warm_modes)
         report = WarmupReport()
-        if new or not self._warm_modes:
+        if new:
             report = self.runner.warmup(progress=progress, modes=new or modes, logprobs=logprobs)
             self._warm_modes.update((m, logprobs) for m in (new or modes))
             self._compiles_at_warmup = dynamo_compile_count()

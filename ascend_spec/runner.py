@@ -104,6 +104,14 @@ def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: i
     return entry
 
 
+def row_logprobs(running: list[Sequence], tokens: list[list[int]], lp_h: list[list]) -> list:
+    """Per row, one entry per accepted token for the requests that asked (None for the others); ``lp_h``: the
+    host copies of ``top_logprobs``' (ids, logprobs, sampled token's logprob)."""
+    ids, lps, tok = lp_h
+    return [[logprob_entries(ids[i][j], lps[i][j], tok[i][j], t, s.params.logprobs) for j, t in enumerate(tokens[i])]
+            if s.params.logprobs is not None else None for i, s in enumerate(running)]
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, cfg: EngineConfig, device: torch.device, caches: KVCaches,
                  acceptance: AcceptanceTracker, count_host_syncs: bool = False) -> None:
@@ -201,16 +209,13 @@ class ModelRunner:
                                          "disable_padded_drafter_batch": bool(
                                              self.spec and self.spec.disable_padded_drafter_batch)})
 
-    def _fused_warm_plan(self, modes: tuple[str, ...], logprobs: bool) -> list[tuple[int, int, str]]:
+    def _fused_warm_plan(self, modes: tuple[str, ...]) -> list[tuple[int, int, str]]:
         ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
-        if self.shapes.dynamic_batch and not self.backend.reuses_outputs:
-            rows = [self.target_graph.sizes[0]]
-        else:  # one graph (or CUDA graph capture) per bucket, largest first
-            rows = sorted(self.target_graph.sizes, reverse=True)
-        return [(r, k, mode) for r in rows for k in ks for mode in modes]
+        # one row count per compiled graph (or CUDA graph capture), largest first
+        return [(r, k, mode) for r in self.target_graph.warm_sizes() for k in ks for mode in modes]
 
     def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
-        plan = self._fused_warm_plan(modes, logprobs)
+        plan = self._fused_warm_plan(modes)
         width = min(WARMUP_WIDTH, self.max_blocks) if self.shapes.trim_context else self.max_blocks
         t_all = time.perf_counter()
         with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
@@ -452,11 +457,7 @@ class ModelRunner:
             batch.num_draft = torch.full_like(batch.num_draft, k)
             batch.num_draft_host = [k] * b
         tokens = [row[: row[-1]] for row in out_h]
-        logprobs = None
-        if lp_h is not None:
-            logprobs = [[logprob_entries(lp_h[0][i][j], lp_h[1][i][j], lp_h[2][i][j], t, s.params.logprobs)
-                         for j, t in enumerate(tokens[i])] if s.params.logprobs is not None else None
-                        for i, s in enumerate(running)]
+        logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         return StepOutput(tokens, num_draft, k, logprobs)
@@ -520,11 +521,7 @@ class ModelRunner:
         # The one host transfer of the step: tokens for bookkeeping.
         sampled_h, valid_h = sampled.tolist(), valid.tolist()
         tokens = [sampled_h[i][: valid_h[i]] for i in range(b)]
-        logprobs = None
-        if lp_h is not None:
-            logprobs = [[logprob_entries(lp_h[0][i][j], lp_h[1][i][j], lp_h[2][i][j], t, s.params.logprobs)
-                         for j, t in enumerate(tokens[i])] if s.params.logprobs is not None else None
-                        for i, s in enumerate(running)]
+        logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         return StepOutput(tokens, num_draft, self.k, logprobs, drafts.tolist() if drafts is not None else None)
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,

@@ -59,7 +59,8 @@ class BucketedGraph:
         self.eager_fn = fn
         self.prefix = prefix
         self.shapes = backend.shapes
-        self.sizes = sorted({max(s, self.shapes.min_batch) for s in sizes})
+        #: the buckets, in requests (graphs serve batches up to the largest; rows pad to ``min_batch`` at least)
+        self.sizes = sorted(set(sizes))
         self.batch_args = tuple(batch_args)
         self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
                                 width=tuple(i for i, a in enumerate(self.batch_args) if a.width))
@@ -82,20 +83,22 @@ class BucketedGraph:
         """Rows the graph runs for ``batch`` requests; None above the largest bucket (eager)."""
         if batch > self.max_size:
             return None
-        if self.shapes.exact_batch:
-            return max(batch, self.shapes.min_batch)
-        return self.sizes[bisect.bisect_left(self.sizes, batch)]
+        rows = batch if self.shapes.exact_batch else self.sizes[bisect.bisect_left(self.sizes, batch)]
+        return max(rows, self.shapes.min_batch)
 
     def warm_sizes(self) -> list[int]:
-        """Sizes warm-up runs: one per compiled graph, largest first (as nano-vllm captures)."""
-        if self.shapes.dynamic_batch and not self.backend.reuses_outputs:
-            return [self.sizes[0]]
-        return sorted(self.sizes, reverse=True)
+        """Rows warm-up runs: one per compiled graph (or CUDA graph capture), largest first (as nano-vllm)."""
+        rows = sorted({max(s, self.shapes.min_batch) for s in self.sizes}, reverse=True)
+        return rows[-1:] if self.shapes.dynamic_batch and not self.backend.reuses_outputs else rows
+
+    def _graph(self, rows: int) -> Callable:
+        return self.graphs[rows] if rows in self.graphs else self.graphs[self.sizes[0]]
 
     def _buffer(self, arg: BatchArg, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(arg.name)
         if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.full((self.max_size, *like.shape[1:]), arg.pad_value, dtype=like.dtype, device=like.device)
+            rows = max(self.max_size, self.shapes.min_batch)
+            buf = torch.full((rows, *like.shape[1:]), arg.pad_value, dtype=like.dtype, device=like.device)
             self._buffers[arg.name] = buf
         return buf
 
@@ -118,7 +121,7 @@ class BucketedGraph:
             buf[b:bucket].fill_(arg.pad_value)
             padded.append(buf[:bucket])
         try:
-            outputs = self.graphs[bucket if bucket in self.graphs else self.sizes[0]](*padded, *static_inputs)
+            outputs = self._graph(bucket)(*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
             note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
@@ -134,7 +137,7 @@ class BucketedGraph:
             padded = []
             for arg, x in zip(self.batch_args, example_batch_inputs):
                 padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
-            self.graphs[size](*padded, *static_inputs)
+            self._graph(size)(*padded, *static_inputs)
             self.compile_seconds[size] = time.perf_counter() - start
             logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
         return dict(self.compile_seconds)

@@ -71,18 +71,19 @@ def generate_without_recompiles(engine, prompts, max_tokens):
     from ascend_spec.sampling import SamplingParams
 
     seen: set[int] = set()
-    step = engine._step
+    runner = engine.runner
+    step = runner.step
 
     def tracking(running, *args):
         seen.add(len(running))
         return step(running, *args)
 
-    engine._step = tracking
+    runner.step = tracking
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             _, stats, _ = engine.generate(prompts, SamplingParams(), max_tokens)
     finally:
-        del engine._step
+        del runner.step
     return stats, seen
 
 

@@ -9,6 +9,7 @@ run again with its seed, gives the same tokens (sampled requests included). ``te
 """
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ REQUESTS_PER_ROUND = 48
 RSS_TOLERANCE = 0.05
 KV_BLOCKS = 3 * num_blocks_for(MAX_MODEL_LEN) + 1
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
+LOGPROBS = SamplingParams(logprobs=2)
 
 
 @dataclass
@@ -58,7 +60,8 @@ def _round(rng: random.Random, corpus: list[int]):
         n = rng.randint(1, 48)
         start = rng.randrange(len(corpus) - n)
         prompts.append(corpus[start: start + n])
-        params.append(SamplingParams() if rng.random() < 0.5 else SAMPLED)
+        r = rng.random()
+        params.append(SamplingParams() if r < 0.4 else LOGPROBS if r < 0.5 else SAMPLED)
         max_tokens.append(rng.randint(1, 64))
         # bursts and lulls: the running batch climbs to max_num_seqs and drains to 1
         t += 0 if rng.random() < 0.3 else int(rng.expovariate(1 / 6))
@@ -74,17 +77,19 @@ def soak(trained_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
     ref = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False)))
     if backend != "eager":
-        spec.warmup(progress=False, modes=(GREEDY, RANDOM))  # the soak samples too
+        # the soak samples and asks for logprobs too: every path replays warm graphs
+        spec.warmup(progress=False, modes=(GREEDY, RANDOM))
+        spec.warmup(progress=False, modes=(GREEDY, RANDOM), logprobs=True)
     report = SoakReport(total_blocks=spec.caches.allocator.num_free)
     rng = random.Random(seed)
     corpus = _corpus(trained_dir)
-    step = spec._step
+    step = spec.runner.step
 
     def tracking(running, *args):
         report.batch_sizes.add(len(running))
         return step(running, *args)
 
-    spec._step = tracking
+    spec.runner.step = tracking
     rounds, first = 0, None
     with torch.compiler.set_stance("fail_on_recompile"):
         while report.steps < num_steps:
@@ -134,4 +139,5 @@ def test_soak_ci(trained_dir):
 
 @pytest.mark.soak
 def test_soak_long(trained_dir):
-    _check(soak(trained_dir, 10_000, backend="inductor"), 10_000)
+    steps = int(os.environ.get("ASCEND_SPEC_SOAK_STEPS", "10000"))
+    _check(soak(trained_dir, steps, backend="inductor"), steps)

@@ -26,6 +26,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
+from ascend_spec.fused_step import time_call
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import BUNDLED_MODEL_DIR
@@ -68,13 +69,7 @@ def step_inputs(eng: Engine, batch: int, context: int, width: int) -> tuple[list
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * time_call(fn, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

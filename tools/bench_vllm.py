@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bundled (12 + 1 layers) | fixture (2 + 1) | bundled-moe | a checkpoint folder")
     ap.add_argument("--cache", type=Path, default=Path(".cache/bench-checkpoints"))
     ap.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor_parallel_size")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engine's max_model_len (default the harness's 512); above the checkpoint's "
+                         "max_position_embeddings a copy allowing it is written to --cache")
     ap.add_argument("--json", help="write raw results here")
     args = ap.parse_args(argv)
 
@@ -89,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     llm = {"max_num_seqs": max(args.num_prompts, 1), "tensor_parallel_size": args.tp}
+    if args.max_model_len:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_context import checkpoint_with_positions
+
+        checkpoint = checkpoint_with_positions(Path(checkpoint), args.max_model_len,
+                                               args.cache / f"{Path(checkpoint).name}-ctx{args.max_model_len}")
+        llm["max_model_len"] = args.max_model_len
     if args.kv_blocks:
         llm["num_gpu_blocks_override"] = args.kv_blocks
     graph = {"graph_batch_sizes": [int(x) for x in args.graph_batch_sizes.split(",")]} \
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
            for name, v in rows.items()}
     same_tokens = all(results[i]["tokens"] == results[i + 1]["tokens"] for i in range(0, len(results), 2))
     print(f"\nvLLM CPU engine, {ENGINE['dtype']}, checkpoint {args.checkpoint}, TP={args.tp}, K={args.k}, "
+          f"max_model_len {args.max_model_len or ENGINE['max_model_len']}, "
           f"async scheduling {'off' if args.sync else 'on'}, "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, kv blocks {args.kv_blocks or 'default'}, "
           f"{args.rounds} round(s), {args.repeat - 1} measured generate call(s) per engine")
