@@ -33,7 +33,7 @@ from .config import EngineConfig
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, choose_k, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
-from .graph.buckets import BatchArg, BucketedGraph
+from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_target_step
@@ -205,7 +205,9 @@ class ModelRunner:
                                          "shapes": dataclasses.asdict(self.shapes),
                                          "attention": self.backend.attention_kernel,
                                          "compile_regions": getattr(self.backend, "compile_regions", False),
-                                         "max_model_len": cfg.max_model_len, "batch_sizes": self.batch_sizes,
+                                         "max_model_len": cfg.max_model_len,
+                                         # one dynamic-batch graph serves any bucket list
+                                         "batch_sizes": None if self.shapes.dynamic_batch else self.batch_sizes,
                                          "disable_padded_drafter_batch": bool(
                                              self.spec and self.spec.disable_padded_drafter_batch)})
 
@@ -216,7 +218,7 @@ class ModelRunner:
 
     def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
         plan = self._fused_warm_plan(modes)
-        width = min(WARMUP_WIDTH, self.max_blocks) if self.shapes.trim_context else self.max_blocks
+        widths = warm_widths(self.max_blocks, WARMUP_WIDTH) if self.shapes.trim_context else [self.max_blocks]
         t_all = time.perf_counter()
         with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
                   disable=not progress, dynamic_ncols=True) as bar:
@@ -225,7 +227,8 @@ class ModelRunner:
                 key = self.spec_graphs.key(rows, k, mode, logprobs)
                 bar.set_postfix_str(key.tag)
                 t0 = time.perf_counter()
-                self._replay(batch, width, None)
+                for width in widths:
+                    self._replay(batch, width, None)
                 report.seconds_by_graph[key.tag] = time.perf_counter() - t0
                 bar.update()
         report.graphs_compiled = len(plan)
@@ -238,9 +241,9 @@ class ModelRunner:
 
     def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
         t0 = time.perf_counter()
-        width = min(WARMUP_WIDTH, self.max_blocks) if self.shapes.trim_context else self.max_blocks
-        ex = self._inert_target_inputs(self.target_graph.max_size, 1 + self.k, width)
-        times = self.target_graph.warmup(ex, (self.caches.target,), progress=progress)
+        widths = warm_widths(self.max_blocks, WARMUP_WIDTH) if self.shapes.trim_context else None
+        ex = self._inert_target_inputs(self.target_graph.max_size, 1 + self.k, self.max_blocks)
+        times = self.target_graph.warmup(ex, (self.caches.target,), progress=progress, widths=widths)
         report.seconds_by_graph.update({f"target_bs{b}": t for b, t in times.items()})
         report.graphs_compiled += len(times)
         if self.proposer is not None:

@@ -12,7 +12,7 @@ import torch
 from .config import SpeculativeConfig
 from .graph.backends import Backend, get_backend
 from .graph.attention import num_blocks_for
-from .graph.buckets import BatchArg, BucketedGraph
+from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
 from .sync_counter import suspended_if_compiled
@@ -38,15 +38,15 @@ class MtpTorchairProposer(MtpProposer):
         super().load_model(model)
         self.graph = BucketedGraph(self.backend, self._draft_fn, "draft", self.batch_sizes, DRAFT_BATCH_ARGS)
 
-    def warmup(self, progress: bool = True, width: int | None = None) -> dict[int, float]:
+    def warmup(self, progress: bool = True) -> dict[int, float]:
         """Compile the draft graph(s) (verify layout, Q = 1 + K): one per bucket, largest first, where the backend
-        compiles per shape. ``width``: the warm-up block-table width (default: the full ``max_model_len``, or on
-        backends that take trimmed tables a small one, distinct from the warm-up batch size)."""
-        if width is None and self.backend.shapes.trim_context:
-            width = min(WARMUP_WIDTH, num_blocks_for(self.max_model_len))
-        example = self._inert_batch(self.graph.max_size, width)
+        compiles per shape. Backends that take trimmed tables replay widths from small (distinct from the warm-up
+        batch size, so Dynamo keeps the two dimensions apart) to the full ``max_model_len`` (``warm_widths``)."""
+        full = num_blocks_for(self.max_model_len)
+        widths = warm_widths(full, WARMUP_WIDTH) if self.backend.shapes.trim_context else None
+        example = self._inert_batch(self.graph.max_size, full)
         with torch.no_grad():
-            return self.graph.warmup(example, (self.draft_cache,), progress=progress)
+            return self.graph.warmup(example, (self.draft_cache,), progress=progress, widths=widths)
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,

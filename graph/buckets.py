@@ -40,6 +40,18 @@ def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -
                                                  what, type(exc).__name__, exc, n)
 
 
+def warm_widths(max_blocks: int, smallest: int = 3, step: int = 8) -> list[int]:
+    """Block-table widths a warm-up replays on backends with a dynamic width: the smallest, then ×``step`` up to the
+    full width. A dynamic-width graph is compiled for a range of widths around its first one (inductor chooses,
+    say, a reduction strategy for the keys and guards on it: "width <= 256"); replaying across the whole range at
+    warm-up compiles every variant a run can reach, so contexts up to ``max_model_len`` never recompile."""
+    widths, w = [], min(smallest, max_blocks)
+    while w < max_blocks:
+        widths.append(w)
+        w *= step
+    return widths + [max_blocks]
+
+
 @dataclass(frozen=True, slots=True)
 class BatchArg:
     """A per-request input (first dim = batch) and the value its pad rows hold."""
@@ -130,14 +142,18 @@ class BucketedGraph:
         return tuple(o[:b] for o in outputs)
 
     def warmup(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
-               progress: bool = True) -> dict[int, float]:
-        """Compile (and on CUDA capture) every graph, with all rows padded (inert)."""
+               progress: bool = True, widths: Sequence[int] | None = None) -> dict[int, float]:
+        """Compile (and on CUDA capture) every graph, with all rows padded (inert). ``widths``: the block-table
+        widths to replay (see :func:`warm_widths`); default the examples' own."""
         for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
-            padded = []
-            for arg, x in zip(self.batch_args, example_batch_inputs):
-                padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
-            self._graph(size)(*padded, *static_inputs)
+            for width in widths or [None]:
+                padded = []
+                for arg, x in zip(self.batch_args, example_batch_inputs):
+                    if width is not None and arg.width:
+                        x = x[:, :width] if x.shape[1] >= width else x.new_zeros(x.shape[0], width)
+                    padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
+                self._graph(size)(*padded, *static_inputs)
             self.compile_seconds[size] = time.perf_counter() - start
             logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
         return dict(self.compile_seconds)

@@ -59,8 +59,11 @@ def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp
     # Key 0 stays visible so that pad rows (seq_len 0) get a finite, discarded result, not NaN.
     visible = visible | (key_pos == 0).view(1, 1, -1)
     scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(ctx_c.dtype)
-    return torch.einsum("bqhk,bkc->bqhc", probs, ctx_c)
+    # softmax, its denominator a matmul: inductor specialises a compiled sum on its length (past 4,096 terms it
+    # switches to a chunked accumulator and guards on it), which would make the context length a graph key.
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    denom = torch.matmul(e, torch.ones(e.shape[-1], 1, dtype=e.dtype, device=e.device))
+    return torch.einsum("bqhk,bkc->bqhc", (e / denom).to(ctx_c.dtype), ctx_c)
 
 
 def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: PagedInputs,

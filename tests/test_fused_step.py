@@ -134,3 +134,37 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     ref_mixed, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(
         prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]
+
+
+def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
+    """max_model_len above 4,096 (257+ blocks): inductor compiles a second variant of a dynamic-width graph past
+    256 blocks (its own guard); warm-up replays widths up to the full one, so a request near max_model_len and
+    a short one beside it compile nothing and match the eager reference."""
+    import json
+
+    from ascend_spec.engine import dynamo_compile_count
+
+    cfg_json = json.loads((trained_dir / "config.json").read_text())
+    cfg_json["max_position_embeddings"] = 4400
+    (tmp_path / "config.json").write_text(json.dumps(cfg_json))
+    for f in trained_dir.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f.resolve())
+    long_prompt = (prompts[0] * 1000)[:4300]
+    run = dict(prompts=[long_prompt, prompts[1]], params=SamplingParams(), max_tokens=[200, 30])
+
+    def engine(backend):
+        return load_engine(tmp_path, EngineConfig(max_model_len=4400, max_num_seqs=2, kv_blocks=300,
+                                                  speculative=SpeculativeConfig(num_speculative_tokens=2),
+                                                  graph=TorchairGraphConfig(backend=backend, graph_batch_sizes=(2,)),
+                                                  fused_step=True), count_host_syncs=True)
+
+    eng = engine("inductor")
+    eng.warmup(progress=False)
+    before = dynamo_compile_count()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, stats, _ = eng.generate(**run)
+    assert dynamo_compile_count() == before and stats.host_syncs == 0
+    assert {o.finish_reason for o in got} >= {"max_model_len"}
+    ref, _, _ = engine("eager").generate(**run)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
