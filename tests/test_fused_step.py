@@ -168,3 +168,22 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = engine("eager").generate(**run)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_no_spec_lone_request_has_its_own_warm_graph(trained_dir, prompts):
+    """K = 0 on inductor: a lone request decodes through a one-row graph (a GEMV, faster than a padded pair),
+    warmed with the dynamic-batch one; a batch draining from 3 to 1 compiles nothing."""
+    from ascend_spec.engine import dynamo_compile_count
+
+    cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=None,
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)))
+    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    report = eng.warmup(progress=False)
+    assert report.graphs_compiled == 2 and eng.runner.rows_for(1, 0) == 1 and eng.runner.rows_for(3, 0) == 3
+    before = dynamo_compile_count()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
+    assert dynamo_compile_count() == before and stats.host_syncs == 0
+    ref, _, _ = _engine(trained_dir, 0, fused=False, max_model_len=96).generate(prompts[:3], SamplingParams(),
+                                                                                [40, 10, 20])
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -43,13 +43,11 @@ class InductorBackend:
         if dims is None:
             return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
         compiled = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode)
-        marked = False
 
         def call(*args: Any) -> Any:
-            nonlocal marked
-            if not marked:  # the first call compiles: mark the dynamic dimensions of its inputs
-                mark_dims(args, dims)
-                marked = True
+            # Any call may compile (a batch of one specialises its own graph): mark the dynamic dimensions of every
+            # call's inputs (an attribute on each tensor; Dynamo reads it only when it compiles).
+            mark_dims(args, dims)
             return compiled(*args)
 
         call.__name__ = tag
