@@ -43,7 +43,7 @@ from .proposer import DraftInputs
 from .sampling import SamplingParams, SamplingTensors, sample
 from .scheduler import AcceptanceTracker, Sequence, block_row, slots_of
 from .sync_counter import HostSyncCounter, suspended_if_compiled
-from .torchair_proposer import WARMUP_WIDTH, MtpTorchairProposer
+from .torchair_proposer import MtpTorchairProposer
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class ModelRunner:
 
     def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
         plan = self._fused_warm_plan(modes)
-        widths = warm_widths(self.max_blocks, WARMUP_WIDTH) if self.shapes.trim_context else [self.max_blocks]
+        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else [self.max_blocks]
         t_all = time.perf_counter()
         with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
                   disable=not progress, dynamic_ncols=True) as bar:
@@ -253,7 +253,7 @@ class ModelRunner:
 
     def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
         t0 = time.perf_counter()
-        widths = warm_widths(self.max_blocks, WARMUP_WIDTH) if self.shapes.trim_context else None
+        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
         ex = self._inert_target_inputs(self.target_graph.max_size, 1 + self.k, self.max_blocks)
         times = self.target_graph.warmup(ex, (self.caches.target,), progress=progress, widths=widths)
         report.seconds_by_graph.update({f"target_bs{b}": t for b, t in times.items()})

@@ -17,9 +17,6 @@ from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
 from .sync_counter import suspended_if_compiled
 
-#: block-table width of warm-up batches on trimming backends: distinct from the warm-up batch size (2), so
-#: Dynamo gives the two dynamic dimensions separate symbols
-WARMUP_WIDTH = 3
 DRAFT_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("hidden", 0.0),
                     BatchArg("sample_idx", 0), BatchArg("slot_mapping", -1), BatchArg("block_table", 0, width=True),
                     BatchArg("seq_lens", 0))
@@ -43,7 +40,7 @@ class MtpTorchairProposer(MtpProposer):
         compiles per shape. Backends that take trimmed tables replay widths from small (distinct from the warm-up
         batch size, so Dynamo keeps the two dimensions apart) to the full ``max_model_len`` (``warm_widths``)."""
         full = num_blocks_for(self.max_model_len)
-        widths = warm_widths(full, WARMUP_WIDTH) if self.backend.shapes.trim_context else None
+        widths = warm_widths(full) if self.backend.shapes.trim_context else None
         example = self._inert_batch(self.graph.max_size, full)
         with torch.no_grad():
             return self.graph.warmup(example, (self.draft_cache,), progress=progress, widths=widths)

@@ -41,8 +41,9 @@ def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -
 
 
 def warm_widths(max_blocks: int, smallest: int = 3, step: int = 8) -> list[int]:
-    """Block-table widths a warm-up replays on backends with a dynamic width: the smallest, then ×``step`` up to the
-    full width. A dynamic-width graph is compiled for a range of widths around its first one (inductor chooses,
+    """Block-table widths a warm-up replays on backends with a dynamic width: the smallest (3: distinct from the
+    warm-up batch of 2 rows, so Dynamo gives the two dimensions separate symbols), then ×``step`` up to the full
+    width. A dynamic-width graph is compiled for a range of widths around its first one (inductor chooses,
     say, a reduction strategy for the keys and guards on it: "width <= 256"); replaying across the whole range at
     warm-up compiles every variant a run can reach, so contexts up to ``max_model_len`` never recompile."""
     widths, w = [], min(smallest, max_blocks)

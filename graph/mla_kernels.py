@@ -130,17 +130,6 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: P
 KERNELS: dict[str, MLAKernel] = {"gather": gather_mla, "flex": flex_mla, "npu": npu_mla}
 
 
-def kernel_for(backend: str, device: torch.device | str) -> str:
-    """The kernel each backend compiles: torchair → the NPU fused op; CUDA graphs (static full-width tables) →
-    FlexAttention; CPU (inductor, trimmed dynamic width) and the eager reference → the gather."""
-    device = torch.device(device)
-    if backend == "torchair" or device.type == "npu":
-        return "npu"
-    if backend == "inductor" and device.type == "cuda":
-        return "flex"
-    return "gather"
-
-
 def live_blocks(longest_tokens: int, max_blocks: int, minimum: int = 2) -> int:
     """Block-table width that covers ``longest_tokens`` (at least ``minimum``: a width of 1 would specialise a
     dynamic dimension and compile a second graph), capped at ``max_blocks``."""

@@ -101,10 +101,15 @@ def test_npu_kernel_composition_with_fake_torch_npu(monkeypatch, seq_lens, q):
 
 
 def test_kernel_choice_per_backend():
-    assert mla_kernels.kernel_for("torchair", "cpu") == "npu"
-    assert mla_kernels.kernel_for("inductor", "cuda") == "flex"
-    assert mla_kernels.kernel_for("inductor", "cpu") == "gather"
-    assert mla_kernels.kernel_for("eager", "cpu") == "gather"
+    from ascend_spec.graph.backends.eager import EagerBackend
+    from ascend_spec.graph.backends.inductor import InductorBackend
+    from ascend_spec.graph.backends.torchair import TorchairBackend
+
+    assert TorchairBackend.attention_kernel == "npu"
+    assert InductorBackend(torch.device("cuda")).attention_kernel == "flex"
+    assert InductorBackend(torch.device("cpu")).attention_kernel == "gather"
+    assert EagerBackend.attention_kernel == "gather"
+    assert {TorchairBackend.attention_kernel, "flex", "gather"} <= set(mla_kernels.KERNELS)
 
 
 def test_unknown_kernel_is_refused(trained_dir):
