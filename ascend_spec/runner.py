@@ -131,7 +131,7 @@ class ModelRunner:
         self.shapes = self.backend.shapes
         # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
         self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None
-        model.set_attention_kernel(self.backend.attention_kernel)
+        model.use_backend(self.backend)
         model.set_compile_regions(getattr(self.backend, "compile_regions", False))
         #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
         self.batch_sizes = g.batch_sizes(cfg.max_num_seqs)

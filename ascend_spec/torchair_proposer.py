@@ -31,7 +31,7 @@ class MtpTorchairProposer(MtpProposer):
         super().__init__(model, spec, max_model_len, draft_cache)
 
     def load_model(self, model: DeepseekV3ForCausalLM) -> None:
-        model.set_attention_kernel(self.backend.attention_kernel)
+        model.use_backend(self.backend)
         super().load_model(model)
         self.graph = BucketedGraph(self.backend, self._draft_fn, "draft", self.batch_sizes, DRAFT_BATCH_ARGS)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import KV_BLOCK_SIZE, ModelConfig
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import Linear, RMSNorm, RotaryEmbedding
 from .mla_kernels import MLAKernel, PagedInputs, gather_mla
 
 
@@ -40,15 +40,15 @@ class MLAttention(nn.Module):
         #: heads computed here: all of them, or this rank's share when the projections are tensor-parallel
         self.num_heads = h = cfg.num_attention_heads
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
+            self.q_proj = Linear(cfg.hidden_size, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
 
     #: Host-engine seams (see graph/external.py), None for our own weights: a fused ``[q_a ; kv_a]``
     #: projection (vLLM's ``fused_qkv_a_proj``), and the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.

@@ -10,14 +10,19 @@ Two call paths share one set of weights:
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
-from .layers import MLP, RMSNorm, RotaryEmbedding
+from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
 from .mla_kernels import KERNELS
 from .moe import MoE
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 
 def _decoder_layer_paged(layer: "DecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,7 @@ class MTPLayer(DecoderLayer):
         super().__init__(cfg, rope, index)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.shared_head = SharedHead(cfg)
 
     def fuse_inputs(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -104,7 +109,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DeepseekV3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def set_attention_kernel(self, name: str) -> None:
         """Every layer's paged attention runs ``name`` (see :mod:`.mla_kernels`); all compute the same function."""
@@ -115,6 +120,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attention_kernel = name
 
     attention_kernel = "gather"
+
+    def use_backend(self, backend: Backend) -> None:
+        """What the backend chose for this model's kernels: the paged attention kernel and weight-left products
+        (see ``layers.Linear``). Every choice computes the same function."""
+        self.set_attention_kernel(backend.attention_kernel)
+        weight_left = getattr(backend, "weight_left_matmul", False)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.weight_left = weight_left
 
     def set_compile_regions(self, enabled: bool) -> None:
         """Compile each decoder layer as a nested region shared by the layers alike (see ``_decoder_layer_region``)."""

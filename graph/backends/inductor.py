@@ -38,6 +38,8 @@ class InductorBackend:
         self.shapes = (ShapePolicy(dynamic_batch=True, exact_batch=False, trim_context=False, min_batch=2) if cuda
                        else ShapePolicy(dynamic_batch=True, exact_batch=True, trim_context=True, min_batch=2))
         self.attention_kernel = "flex" if cuda else "gather"
+        #: MKL's sgemm is far faster with the few tokens of a decode step as the right operand (graph.layers.Linear)
+        self.weight_left_matmul = not cuda
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if dims is None:
