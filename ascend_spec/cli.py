@@ -56,9 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-padded-drafter-batch", action="store_true", default=None)
     g.add_argument("--backend", choices=["auto", "eager", "inductor", "torchair"], default=None)
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
-    g.add_argument("--adaptive-k", action="store_true",
-                   help="choose K in 0..num_speculative_tokens per batch bucket from measured step costs and the "
-                        "running acceptance (speculation that never costs)")
+    k = g.add_mutually_exclusive_group()
+    k.add_argument("--adaptive-k", dest="fixed_k", action="store_false",
+                   help="(the default) choose K in 0..num_speculative_tokens per batch bucket from step costs measured "
+                        "at warm-up and the running acceptance: speculation that never costs")
+    k.add_argument("--fixed-k", action="store_true",
+                   help="draft num_speculative_tokens every step (compiles one graph instead of K + 1)")
+    g.set_defaults(fixed_k=False)
     g.add_argument("--step-by-step", action="store_true",
                    help="run target, sampling and drafting as separate calls instead of one fused graph per step")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -104,7 +108,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
                         graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
-                        adaptive_k=args.adaptive_k, **kwargs)
+                        adaptive_k=not args.fixed_k, **kwargs)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -178,6 +182,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                  if stats.steps_per_k else None),
             "steps_per_k": stats.steps_per_k,
             "k_by_bucket": stats.k_by_bucket,
+            # the step-time account: where decode_seconds went
+            "decode_seconds": round(stats.decode_seconds, 4),
+            "graph_seconds": round(stats.graph_seconds, 4),
+            "host_seconds": round(stats.host_seconds, 4),
+            "prefill_seconds": round(stats.prefill_seconds, 4),
             **(metrics.as_dict() if metrics else {"acceptance_rate": None, "mean_accepted_length": None,
                                                  "acceptance_per_position": []}),
         }

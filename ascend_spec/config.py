@@ -150,7 +150,8 @@ class EngineConfig:
     #: step-by-step path (target graph, eager sampling, draft graph), which logprobs and the unpadded drafter use
     fused_step: bool = True
     #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
-    adaptive_k: bool = False
+    #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``)
+    adaptive_k: bool = True
 
     def __post_init__(self) -> None:
         for key, low in (("max_model_len", 2), ("max_num_seqs", 1)):

@@ -176,7 +176,9 @@ class Engine:
         start = time.perf_counter()
         while not sched.done:
             while (seq := sched.next_admission(stats.num_steps)) is not None:
+                t0 = time.perf_counter()
                 token, entry, drafts = self.runner.prefill(seq, generator)
+                stats.prefill_seconds += time.perf_counter() - t0
                 if entry is not None:
                     seq.logprobs = [*(seq.logprobs or []), entry]
                 seq.draft_ids = drafts

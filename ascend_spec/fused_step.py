@@ -6,7 +6,7 @@ tokens back for bookkeeping and builds nothing per step while the batch composit
 
 Graphs are keyed by (K, sampling mode, logprobs) — and the batch bucket only on backends that compile per
 shape (torchair): ``K = 0`` is plain decoding, so speculation can be switched off per bucket (see
-``adaptive_k``). The context is data: the block table is an input (on CPU trimmed to the live blocks, a dynamic
+``ascend_spec.adaptive``). The context is data: the block table is an input (on CPU trimmed to the live blocks, a dynamic
 width), never a graph key.
 """
 from __future__ import annotations
@@ -41,6 +41,81 @@ def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[t
     return top_ids, top_lp, lp.gather(-1, sampled.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class SpecPhases:
+    """The fused step's three phases as separate functions over tensors; ``make_spec_step`` chains them into one
+    graph. Benchmarks compile and time each on a real run's inputs (the step-time account).
+
+    - ``verify(input_ids, start, num_draft, block_table, live, caches)`` → ``(pos, slots, seq_lens, nd, hidden,
+      logits)``: the target forward of ``1 + K`` tokens per row (``K = 0``: one token, plain decoding);
+    - ``accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)`` → ``(sampled,
+      *logprobs)``: rejection sampling (and the top logprobs);
+    - ``propose(input_ids, start, sampled, nd, pos, hidden, slots, block_table, seq_lens, draft_cache)`` →
+      ``(valid, next_input, next_start)``: next tokens, and the K-step draft chain for the next step.
+    """
+
+    verify: Callable[..., tuple[torch.Tensor, ...]]
+    accept: Callable[..., tuple[torch.Tensor, ...]]
+    propose: Callable[..., tuple[torch.Tensor, ...]]
+
+
+#: batch (dim 0) and block-table width (dim 1) arguments of each phase
+PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,)),
+              "accept": DynamicDims(batch=tuple(range(9))),
+              "propose": DynamicDims(batch=tuple(range(9)), width=(7,))}
+
+
+def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
+                     logprobs: bool = False) -> SpecPhases:
+    if mode not in (GREEDY, RANDOM):
+        raise ValueError(f"mode={mode!r}; allowed: {[GREEDY, RANDOM]}")
+    target = make_target_step(model)
+    draft = make_draft_step(model, k, max_model_len) if k else None
+    vocab = model.cfg.vocab_size
+    q = 1 + k
+    n_logprobs = min(MAX_LOGPROBS, vocab)
+
+    def verify(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
+               live: torch.Tensor, caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        positions = start.view(-1, 1) + torch.arange(q, device=start.device)
+        in_range = positions < max_model_len
+        pos = torch.where(in_range, positions, torch.zeros_like(positions))
+        slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table), torch.full_like(pos, -1))
+        seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
+        # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
+        nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
+        hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches)
+        return pos, slots, seq_lens, nd, hidden, logits
+
+    def accept(input_ids: torch.Tensor, nd: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
+               top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor, uniform: torch.Tensor,
+               exponential: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        st = SamplingTensors(temperature, top_k, top_p, greedy, all_greedy=mode == GREEDY,
+                             any_top_k=mode == RANDOM, any_top_p=mode == RANDOM)
+        noise = spec_decode.RejectionNoise(uniform, exponential) if mode == RANDOM else None
+        sampled = spec_decode.rejection_sample(input_ids[:, 1:], nd, logits, st, None, None, noise)
+        extra = top_logprobs(logits, sampled, n_logprobs) if logprobs else ()
+        return sampled, *extra
+
+    def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, nd: torch.Tensor,
+                pos: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, draft_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b = input_ids.shape[0]
+        if draft is None:
+            valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
+            return valid, sampled.long(), start + 1
+        discard = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        next_ids, valid = spec_decode.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0], vocab)
+        qsl = torch.arange(b + 1, device=input_ids.device) * q
+        token_indices, _ = spec_decode.prepare_inputs_padded(qsl, nd, valid)
+        sample_idx = token_indices - qsl[:-1]
+        draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
+        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
+        return valid, torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1), start + valid.long()
+
+    return SpecPhases(verify, accept, propose)
+
+
 def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
                    logprobs: bool = False) -> SpecStep:
     """The fused step for ``K = k`` drafts per request (``k = 0``: decode without speculation).
@@ -54,46 +129,19 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
     ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``.
     """
-    if mode not in (GREEDY, RANDOM):
-        raise ValueError(f"mode={mode!r}; allowed: {[GREEDY, RANDOM]}")
-    target = make_target_step(model)
-    draft = make_draft_step(model, k, max_model_len) if k else None
-    vocab = model.cfg.vocab_size
-    q = 1 + k
-    n_logprobs = min(MAX_LOGPROBS, vocab)
+    phases = make_spec_phases(model, k, max_model_len, mode, logprobs)
 
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor,
-                  caches: tuple[torch.Tensor, ...], draft_cache: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        b = input_ids.shape[0]
-        positions = start.view(-1, 1) + torch.arange(q, device=start.device)
-        in_range = positions < max_model_len
-        pos = torch.where(in_range, positions, torch.zeros_like(positions))
-        slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table), torch.full_like(pos, -1))
-        seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
-        # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
-        nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
-        hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches)
-
-        st = SamplingTensors(temperature, top_k, top_p, greedy, all_greedy=mode == GREEDY,
-                             any_top_k=mode == RANDOM, any_top_p=mode == RANDOM)
-        noise = spec_decode.RejectionNoise(uniform, exponential) if mode == RANDOM else None
-        sampled = spec_decode.rejection_sample(input_ids[:, 1:], nd, logits, st, None, None, noise)
-        extra = top_logprobs(logits, sampled, n_logprobs) if logprobs else ()
-        if draft is None:
-            valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
-            return sampled, valid, sampled.long(), start + 1, *extra
-        discard = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-        next_ids, valid = spec_decode.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0], vocab)
-        qsl = torch.arange(b + 1, device=input_ids.device) * q
-        token_indices, _ = spec_decode.prepare_inputs_padded(qsl, nd, valid)
-        sample_idx = token_indices - qsl[:-1]
-        draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
-        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
-        next_input = torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1)
-        return sampled, valid, next_input, start + valid.long(), *extra
+                  caches: tuple[torch.Tensor, ...], draft_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pos, slots, seq_lens, nd, hidden, logits = phases.verify(input_ids, start, num_draft, block_table, live,
+                                                                 caches)
+        sampled, *extra = phases.accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform,
+                                        exponential)
+        valid, next_input, next_start = phases.propose(input_ids, start, sampled, nd, pos, hidden, slots,
+                                                       block_table, seq_lens, draft_cache)
+        return sampled, valid, next_input, next_start, *extra
 
     return spec_step
 
@@ -166,17 +214,3 @@ def time_call(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
-
-
-def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
-    """1 + Σ_j Π_{i≤j} a_i: the bonus token plus the drafts accepted in a row, a_i = P(draft i accepted | i-1 was)."""
-    total, run = 1.0, 1.0
-    for a in acceptance[:k]:
-        run *= a
-        total += run
-    return total
-
-
-def choose_k(step_seconds: dict[int, float], acceptance: list[float]) -> int:
-    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts)."""
-    return max(sorted(step_seconds), key=lambda k: (expected_tokens_per_step(acceptance, k) / step_seconds[k], -k))

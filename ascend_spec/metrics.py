@@ -72,8 +72,13 @@ class RunStats:
     #: fused path: steps run per K, and the K each bucket would choose at the end of the run
     steps_per_k: dict[int, int] = field(default_factory=dict)
     k_by_bucket: dict[int, int] = field(default_factory=dict)
-    #: host-side seconds per step outside the graph call (input building, bookkeeping)
+    #: where ``decode_seconds`` went (the step-time account): fused graph replays, the runner's host work around
+    #: them (inputs, the tokens' transfer), prefills (eager, with their first drafts); the rest is the engine's loop
+    graph_seconds: float = 0.0
     host_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    #: fused path: device batches rebuilt (composition, K, sampling mode or logprobs changed)
+    batch_rebuilds: int = 0
 
     @property
     def host_syncs_per_step(self) -> float:

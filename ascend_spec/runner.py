@@ -24,13 +24,15 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, choose_k, time_call, top_logprobs
+from .adaptive import AdaptiveK
+from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
@@ -143,15 +145,20 @@ class ModelRunner:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
                                                 backend=self.backend, batch_sizes=self.batch_sizes)
         self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len)
-        self.k_by_bucket = {b: self.k for b in self.batch_sizes}
-        #: measured at warm-up when adaptive_k: seconds of one fused step per bucket and K
-        self.step_seconds: dict[int, dict[int, float]] = {}
+        #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
+        self.adaptive = AdaptiveK(self.k)
         #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
         self.force_k: int | None = None
-        self._steps_at_k: dict[int, int] = {}
+        #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
+        self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
         self._pending_drafts: dict[int, list[int]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
+
+    @property
+    def step_seconds(self) -> dict[int, dict[int, float]]:
+        """Seconds of one fused step per bucket and K, measured at warm-up (adaptive_k)."""
+        return self.adaptive.step_seconds
 
     # -- shapes ---------------------------------------------------------------------------------
     @property
@@ -245,11 +252,19 @@ class ModelRunner:
                 bar.update()
         report.graphs_compiled = len(plan)
         report.compile_seconds = time.perf_counter() - t_all
-        if self.cfg.adaptive_k:
-            for bucket in self.batch_sizes:
-                for k in range(self.k + 1):
-                    self.step_seconds.setdefault(bucket, {})[k] = self.time_step(bucket, k)
+        if self.cfg.adaptive_k and self.k:
+            self._time_steps()
         self._batch = None
+
+    def _time_steps(self, rounds: int = 3) -> None:
+        """Step cost per bucket and K for adaptive K: medians of ``rounds`` rounds, the K values interleaved in each
+        so machine noise weighs on all of them alike."""
+        for bucket in self.batch_sizes:
+            times: dict[int, list[float]] = {k: [] for k in range(self.k + 1)}
+            for _ in range(rounds):
+                for k in times:
+                    times[k].append(self.time_step(bucket, k, repeats=3))
+            self.adaptive.step_seconds[bucket] = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
 
     def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
         t0 = time.perf_counter()
@@ -340,8 +355,11 @@ class ModelRunner:
             batch.block_table = self._block_table(running, batch.rows)
 
     def end_run(self) -> dict[int, int]:
+        """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
-        return dict(self.k_by_bucket)
+        if not (self.cfg.adaptive_k and self.k):
+            return {b: self.k for b in self.batch_sizes}
+        return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
 
     def _counted(self) -> HostSyncCounter | None:
         return HostSyncCounter() if self.count_host_syncs else None
@@ -357,13 +375,9 @@ class ModelRunner:
     def _k_for(self, bucket: int) -> int:
         if self.force_k is not None:
             return self.force_k
-        if not self.cfg.adaptive_k or bucket not in self.step_seconds:
+        if not (self.cfg.adaptive_k and self.k):
             return self.k
-        k = choose_k(self.step_seconds[bucket], self.acceptance.rates())
-        self.k_by_bucket[bucket] = k
-        # Keep the acceptance estimate alive while speculation is off: one step in 16 drafts K_max.
-        n = self._steps_at_k[bucket] = self._steps_at_k.get(bucket, 0) + 1
-        return self.k if k < self.k and n % 16 == 0 else k
+        return self.adaptive.k_for(bucket, self.acceptance.rates())
 
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
         m = self.max_blocks
@@ -424,11 +438,15 @@ class ModelRunner:
                     torch.zeros(batch.rows, batch.k, device=self.device),
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
+        # contiguous: a narrower view of the table would make the graph guard on its strides
+        args = (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(), batch.live,
+                st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential, self.caches.target,
+                self.caches.draft)
         with suspended_if_compiled(self.backend):
-            # contiguous: a narrower view of the table would make the graph guard on its strides
-            return self.spec_graphs(key, batch.input_ids, batch.start, batch.num_draft,
-                                    batch.block_table[:, :width].contiguous(), batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform,
-                                    noise.exponential, self.caches.target, self.caches.draft)
+            out = self.spec_graphs(key, *args)
+        if self.step_observer is not None:
+            self.step_observer(key, args)
+        return out
 
     def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
         t0 = time.perf_counter()
@@ -441,6 +459,7 @@ class ModelRunner:
         if (batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode
                 or batch.logprobs != want_lp):
             batch = self._batch = self._build_batch(running, k, mode, want_lp)
+            stats.batch_rebuilds += 1
         max_len = self.cfg.max_model_len
         # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
         width = self.width_for(max(s.num_tokens + 2 * k for s in running))
@@ -474,6 +493,7 @@ class ModelRunner:
         tokens = [row[: row[-1]] for row in out_h]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
+        stats.graph_seconds += t2 - t1
         stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         return StepOutput(tokens, num_draft, k, logprobs)
 

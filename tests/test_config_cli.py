@@ -110,3 +110,13 @@ def test_cli_inspect_and_bad_dtype(capsys, tmp_path):
         main(["generate", "--dtype", "float64"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "--dtype" in err and "'float64'" in err and "bfloat16" in err
+
+
+def test_adaptive_k_is_the_default_and_fixed_k_pins_k():
+    parse = build_parser().parse_args
+    assert engine_config_from_args(parse(["generate"])).adaptive_k
+    assert engine_config_from_args(parse(["generate", "--adaptive-k"])).adaptive_k
+    fixed = engine_config_from_args(parse(["generate", "--fixed-k", "--num-speculative-tokens", "3"]))
+    assert not fixed.adaptive_k and fixed.speculative.num_speculative_tokens == 3
+    with pytest.raises(SystemExit):
+        parse(["generate", "--fixed-k", "--adaptive-k"])

@@ -4,7 +4,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.fused_step import choose_k, expected_tokens_per_step
+from ascend_spec.adaptive import EXPLORE_EVERY, EXPLORE_STEPS, AdaptiveK, choose_k, expected_tokens_per_step
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -89,6 +89,20 @@ def test_choose_k_weighs_cost_against_acceptance():
     assert choose_k({0: 1.0, 1: 2.0}, [0.95]) == 0
 
 
+def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_exploring():
+    policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.1, 2: 1.2}, 8: {0: 1.0, 1: 1.9, 2: 2.8}})
+    good, poor = [0.8, 0.7], [0.3, 0.2]
+    assert policy.k_for(1, good) == 2 and policy.chosen[1] == 2
+    assert policy.k_for(8, poor) == 0 and policy.chosen[8] == 0
+    assert policy.k_for(16, good) == 2  # a bucket with no measured costs runs K_max
+    # K < K_max: every EXPLORE_EVERY steps, EXPLORE_STEPS steps at K_max (draft, then verify) keep acceptance fresh
+    ks = [policy.k_for(8, poor) for _ in range(3 * EXPLORE_EVERY)]
+    assert ks.count(2) == 3 * EXPLORE_STEPS and ks.count(0) == len(ks) - 3 * EXPLORE_STEPS
+    first = ks.index(2)
+    assert ks[first: first + EXPLORE_STEPS] == [2] * EXPLORE_STEPS
+    assert policy.speedup_limit(1, 2, good) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
+
+
 def test_acceptance_tracker_counts_conditional_rates():
     t = AcceptanceTracker.empty(3)
     t.record(3, 1)  # draft 0 accepted, draft 1 rejected, draft 2 never reached
@@ -112,7 +126,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     from ascend_spec.engine import dynamo_compile_count
 
     cfg = EngineConfig(max_model_len=160, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)))
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
@@ -157,7 +171,7 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
         return load_engine(tmp_path, EngineConfig(max_model_len=4400, max_num_seqs=2, kv_blocks=300,
                                                   speculative=SpeculativeConfig(num_speculative_tokens=2),
                                                   graph=TorchairGraphConfig(backend=backend, graph_batch_sizes=(2,)),
-                                                  fused_step=True), count_host_syncs=True)
+                                                  fused_step=True, adaptive_k=False), count_host_syncs=True)
 
     eng = engine("inductor")
     eng.warmup(progress=False)
@@ -176,7 +190,7 @@ def test_no_spec_lone_request_has_its_own_warm_graph(trained_dir, prompts):
     from ascend_spec.engine import dynamo_compile_count
 
     cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=None,
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)))
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     report = eng.warmup(progress=False)
     assert report.graphs_compiled == 2 and eng.runner.rows_for(1, 0) == 1 and eng.runner.rows_for(3, 0) == 3

@@ -32,7 +32,7 @@ def prompts(trained_dir):
 
 def _generate(trained_dir, prompts, spec, faults=None, fused=True):
     eng = load_engine(trained_dir, EngineConfig(max_model_len=128, max_num_seqs=8, speculative=spec, graph=GRAPH,
-                                                fused_step=fused))
+                                                fused_step=fused, adaptive_k=False))
     plans = {}
     for name, calls in (faults or {}).items():
         graph = {"target": eng.target_graph, "draft": getattr(eng.proposer, "graph", None),

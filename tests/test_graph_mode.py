@@ -76,7 +76,7 @@ def inductor_engine(trained_dir):
     eng = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
                                                 speculative=SpeculativeConfig(num_speculative_tokens=2),
                                                 graph=TorchairGraphConfig(backend="inductor",
-                                                                          graph_batch_sizes=SIZES)))
+                                                                          graph_batch_sizes=SIZES), adaptive_k=False))
     eng.warmup(progress=False)
     return eng
 
@@ -137,7 +137,7 @@ def test_cuda_reduce_overhead_parity(trained_dir):
     ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
                                                       **cfg), device="cuda").generate(prompts, SamplingParams(), 24)
     eng = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(backend="auto", graph_batch_sizes=SIZES),
-                                                **cfg), device="cuda")
+                                                adaptive_k=False, **cfg), device="cuda")
     assert eng.backend.name == "inductor" and eng.backend.reuses_outputs
     got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -154,6 +154,6 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
     ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
                                                       **cfg), device="npu").generate(prompts, SamplingParams(), 24)
     graph = TorchairGraphConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
-    eng = load_engine(trained_dir, EngineConfig(graph=graph, **cfg), device="npu")
+    eng = load_engine(trained_dir, EngineConfig(graph=graph, adaptive_k=False, **cfg), device="npu")
     got, _, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]

@@ -27,7 +27,8 @@ def _engine(path, k: int | None, backend: str, count_host_syncs: bool = False):
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     graph = (TorchairGraphConfig(enabled=False, backend="eager") if backend == "eager"
              else TorchairGraphConfig(backend=backend, graph_batch_sizes=SIZES))
-    return load_engine(path, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=spec, graph=graph),
+    return load_engine(path, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=spec, graph=graph,
+                                          adaptive_k=False),
                        count_host_syncs=count_host_syncs)
 
 

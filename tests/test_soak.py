@@ -73,7 +73,7 @@ def soak(trained_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
     graph = TorchairGraphConfig(backend=backend, graph_batch_sizes=BUCKETS)
     spec = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                                  speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph,
-                                                 kv_blocks=KV_BLOCKS))
+                                                 kv_blocks=KV_BLOCKS, adaptive_k=False))
     ref = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
                                                 graph=TorchairGraphConfig(enabled=False)))
     if backend != "eager":

@@ -1,0 +1,67 @@
+"""Adaptive K: per batch bucket, the number of drafts that gives the most tokens per second.
+
+Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
+a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]`` (measured at warm-up, the same
+fused graphs on the same inert batch, contenders interleaved). K = 0 — plain decoding — wins where drafts do not
+pay, so speculation never costs more than it brings.
+
+Acceptance is learned from the run. A bucket below K_max keeps it fresh by exploring: every ``EXPLORE_EVERY``
+steps it runs two steps at K_max (the first drafts K_max tokens, the second verifies them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: steps between explorations of K_max when a smaller K is chosen
+EXPLORE_EVERY = 32
+#: consecutive K_max steps an exploration takes: one to draft K_max tokens, one to verify them
+EXPLORE_STEPS = 2
+
+
+def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
+    """1 + Σ_j Π_{i≤j} a_i: the bonus token plus the drafts accepted in a row, a_i = P(draft i accepted | i-1 was)."""
+    total, run = 1.0, 1.0
+    for a in acceptance[:k]:
+        run *= a
+        total += run
+    return total
+
+
+def choose_k(step_seconds: dict[int, float], acceptance: list[float]) -> int:
+    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts)."""
+    return max(sorted(step_seconds), key=lambda k: (expected_tokens_per_step(acceptance, k) / step_seconds[k], -k))
+
+
+@dataclass
+class AdaptiveK:
+    """K per bucket from measured step costs and the running acceptance (``acceptance()``: a_1..a_Kmax)."""
+
+    k_max: int
+    #: seconds of one fused step per bucket and K (warm-up measures them)
+    step_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
+    #: the K each bucket chose last
+    chosen: dict[int, int] = field(default_factory=dict)
+    _since_explore: dict[int, int] = field(default_factory=dict)
+    _exploring: dict[int, int] = field(default_factory=dict)
+
+    def k_for(self, bucket: int, acceptance: list[float]) -> int:
+        costs = self.step_seconds.get(bucket)
+        if not costs:
+            return self.k_max
+        left = self._exploring.get(bucket, 0)
+        if left:
+            self._exploring[bucket] = left - 1
+            return self.k_max
+        k = self.chosen[bucket] = choose_k(costs, acceptance)
+        if k < self.k_max:
+            n = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
+            if n >= EXPLORE_EVERY:
+                self._since_explore[bucket] = 0
+                self._exploring[bucket] = EXPLORE_STEPS - 1
+                return self.k_max
+        return k
+
+    def speedup_limit(self, bucket: int, k: int, acceptance: list[float]) -> float:
+        """The speed-up over K = 0 these costs and this acceptance allow: tokens per step ÷ relative step cost."""
+        costs = self.step_seconds[bucket]
+        return expected_tokens_per_step(acceptance, k) * costs[0] / costs[k]
