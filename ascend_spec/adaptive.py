@@ -6,7 +6,7 @@ fused graphs on the same inert batch, contenders interleaved). K = 0 — plain d
 pay, so speculation never costs more than it brings.
 
 Acceptance is learned from the run. A bucket below K_max keeps it fresh by exploring: every ``EXPLORE_EVERY``
-steps it runs two steps at K_max (the first drafts K_max tokens, the second verifies them).
+steps it runs the last two at K_max (the first drafts K_max tokens, the second verifies them).
 """
 from __future__ import annotations
 
@@ -41,24 +41,16 @@ class AdaptiveK:
     step_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     #: the K each bucket chose last
     chosen: dict[int, int] = field(default_factory=dict)
-    _since_explore: dict[int, int] = field(default_factory=dict)
-    _exploring: dict[int, int] = field(default_factory=dict)
+    _steps: dict[int, int] = field(default_factory=dict)
 
     def k_for(self, bucket: int, acceptance: list[float]) -> int:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
-        left = self._exploring.get(bucket, 0)
-        if left:
-            self._exploring[bucket] = left - 1
-            return self.k_max
+        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         k = self.chosen[bucket] = choose_k(costs, acceptance)
-        if k < self.k_max:
-            n = self._since_explore[bucket] = self._since_explore.get(bucket, 0) + 1
-            if n >= EXPLORE_EVERY:
-                self._since_explore[bucket] = 0
-                self._exploring[bucket] = EXPLORE_STEPS - 1
-                return self.k_max
+        if k < self.k_max and n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
+            return self.k_max
         return k
 
     def speedup_limit(self, bucket: int, k: int, acceptance: list[float]) -> float:
