@@ -430,6 +430,12 @@ class ModelRunner:
 
     def _replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
                 ) -> tuple[torch.Tensor, ...]:
+        key, args = self._replay_args(batch, width, noise)
+        with suspended_if_compiled(self.backend):
+            return self.spec_graphs(key, *args)
+
+    def _replay_args(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
+                     ) -> tuple[StepKey, tuple]:
         st = batch.sampling
         if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
             noise = self._unused_noise.get((batch.rows, batch.k))
@@ -439,14 +445,9 @@ class ModelRunner:
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
         # contiguous: a narrower view of the table would make the graph guard on its strides
-        args = (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(), batch.live,
-                st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential, self.caches.target,
-                self.caches.draft)
-        with suspended_if_compiled(self.backend):
-            out = self.spec_graphs(key, *args)
-        if self.step_observer is not None:
-            self.step_observer(key, args)
-        return out
+        return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
+                     batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
+                     self.caches.target, self.caches.draft)
 
     def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
         t0 = time.perf_counter()
@@ -470,16 +471,22 @@ class ModelRunner:
             noise = spec_decode.RejectionNoise(
                 torch.cat([drawn.uniform, drawn.uniform.new_zeros(pad, k)]),
                 torch.cat([drawn.exponential, drawn.exponential.new_ones(pad, drawn.exponential.shape[1])]))
+        key, args = self._replay_args(batch, width, noise)
         counter = self._counted()
         t1 = time.perf_counter()
         with torch.no_grad():
             if counter is not None:
                 counter.__enter__()
             try:
-                sampled, valid, next_input, next_start, *lp = self._replay(batch, width, noise)
+                with suspended_if_compiled(self.backend):
+                    sampled, valid, next_input, next_start, *lp = self.spec_graphs(key, *args)
             finally:
                 self._count_end(counter, stats)
         t2 = time.perf_counter()
+        stats.graph_seconds += t2 - t1
+        if self.step_observer is not None:
+            self.step_observer(key, args)
+            t2 = time.perf_counter()  # the observer's time is nobody's: not the host's either
         if self.backend.reuses_outputs:
             next_input, next_start = next_input.clone(), next_start.clone()
         # The one host transfer of the step: the tokens, for bookkeeping.
@@ -493,7 +500,6 @@ class ModelRunner:
         tokens = [row[: row[-1]] for row in out_h]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
-        stats.graph_seconds += t2 - t1
         stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         return StepOutput(tokens, num_draft, k, logprobs)
 

@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Does speculation pay? Side-by-side on the bundled model, contenders interleaved in one run, medians.
+"""Does speculation pay, at every batch size? End to end, side by side in one run, with a step-time account.
 
-1. Step costs per bucket (compiled): one target step (1 token) vs one MTP draft step (1 token), and the
-   pieces of a K-step: target verify of 1+K tokens, the K-step draft chain, rejection sampling + bookkeeping.
-2. End-to-end greedy tokens/s for K = 0 (no speculation), 1..K_max and adaptive K, at each batch size,
-   with the fused one-graph step; speed-up over K = 0, mean tokens per request-step, speculation efficiency
-   (speed-up ÷ mean tokens per step) and host µs per step.
-3. Writes ``results.md``, ``results.json`` and PNG plots (tokens/s vs batch, acceptance per position, step-time
-   breakdown) into ``--out``.
+    python tools/bench.py --out docs/bench [--batches 1 2 4 8 16] [--ks 1 2 3] [--max-tokens 128] [--rounds 2]
 
-    python tools/bench.py --out docs/bench [--max-tokens 128] [--repeats 3] [--batches 1 2 4 8] [--ks 0 1 2 3]
+One engine (inductor, the bundled model, greedy) serves every contender, so they replay the same compiled graphs:
+no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance learned afresh in
+each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), served ``b`` at a
+time for batch size ``b``; every contender at every batch size generates the same tokens from the same prompts.
+Rounds repeat the whole set, contenders interleaved within each, and figures are medians over rounds.
+
+The step-time account (per batch size and K, on the first max(b, 4) requests): each fused step's graph time and the
+host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
+second run, on every 4th step, the three phases of the fused graph (verify of 1 + K tokens, acceptance, the K-step
+draft chain) are compiled separately and timed on that step's own inputs (medians). ``verify(1+K) ÷ step(1)`` compares verify with the K = 0 step's graph.
+
+A speed-up is printed only when the baseline is sound: the no-spec run's wall time per step within 20% of its
+one-token graph time (otherwise the run measured something else: prefills, host work, a noisy machine).
+The limit a run could reach is ``tokens per step × graph(K=0) ÷ graph(K)``; efficiency is the speed-up over it.
+Writes ``results.md``, ``results.json``, ``speedup.png`` and ``step_account.png`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -18,280 +26,316 @@ import json
 import platform
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from ascend_spec import spec_decode
+from ascend_spec.adaptive import expected_tokens_per_step
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
-from ascend_spec.graph.model import DeepseekV3ForCausalLM
-from ascend_spec.graph.steps import make_draft_step, make_target_step
+from ascend_spec.fused_step import GREEDY, PHASE_DIMS, StepKey, make_spec_phases
 from ascend_spec.graph.weights import load_model
+from ascend_spec.metrics import RunStats
 from ascend_spec.models import BUNDLED_MODEL_DIR
-from ascend_spec.sampling import SamplingParams, SamplingTensors
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.scheduler import AcceptanceTracker
 from ascend_spec.tokenizer import TextTokenizer
 
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-           "for i in range(10):\n", "    return", "raise ValueError(", "with open(path) as f:\n",
-           "def __repr__(self):\n        return"]
-MAX_MODEL_LEN = 256
-CONTEXT = 128  # step-cost inputs sit ~100 tokens into the context
+PROMPTS_FILE = Path(__file__).with_name("bench_prompts.txt")
+MAX_MODEL_LEN = 512
+#: a baseline whose wall time per step strays further than this from its one-token graph time is not a baseline
+BASELINE_TOLERANCE = 0.20
+PROBE_EVERY = 4
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds per callable, timing them round-robin so machine noise hits every contender alike."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+def read_prompts(path: Path, tok: TextTokenizer) -> list[list[int]]:
+    return [tok.encode(line.replace("\\n", "\n")) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compiled(fn: Callable) -> Callable:
-    return torch.compile(fn, fullgraph=True, dynamic=False)
+@dataclass
+class Tally:
+    """One contender's run over every request at one batch size."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    request_steps: int = 0
+    requests: int = 0
+    graph: float = 0.0
+    host: float = 0.0
+    prefill: float = 0.0
+    rebuilds: int = 0
+    steps_per_k: dict[int, int] = field(default_factory=dict)
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, stats: RunStats, outputs: list[list[int]], metrics) -> None:  # noqa: ANN001 - SpecMetrics | None
+        self.tokens += stats.generated_tokens
+        self.seconds += stats.decode_seconds
+        self.steps += stats.num_steps
+        self.request_steps += stats.request_steps
+        self.requests += len(outputs)
+        self.graph += stats.graph_seconds
+        self.host += stats.host_seconds
+        self.prefill += stats.prefill_seconds
+        self.rebuilds += stats.batch_rebuilds
+        for k, n in stats.steps_per_k.items():
+            self.steps_per_k[k] = self.steps_per_k.get(k, 0) + n
+        if metrics is not None:
+            if not self.drafted:
+                self.drafted, self.accepted = [0] * len(metrics.drafted_per_position), [0] * len(metrics.drafted_per_position)
+            self.drafted = [a + b for a, b in zip(self.drafted, metrics.drafted_per_position)]
+            self.accepted = [a + b for a, b in zip(self.accepted, metrics.accepted_per_position)]
+        self.outputs += outputs
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tokens_per_request_step(self) -> float:
+        """Decode tokens per request-step (the first token of each request comes from its prefill)."""
+        return (self.tokens - self.requests) / self.request_steps
+
+    def acceptance(self) -> list[float]:
+        """Conditional acceptance a_j = P(draft j accepted | drafts < j accepted) of a fixed-K run: accepted drafts
+        form a prefix, so position j is reached as often as position j - 1 was accepted."""
+        rates = []
+        for j, a in enumerate(self.accepted):
+            reached = self.accepted[j - 1] if j else self.drafted[0]
+            rates.append(a / reached if reached else 0.0)
+        return rates
 
 
-# -- 1. step costs ------------------------------------------------------------------------------------
-def step_costs(model: DeepseekV3ForCausalLM, batches: list[int], k: int, repeats: int) -> dict[int, dict[str, float]]:
-    """Seconds per piece and bucket: target (1 token), draft (1 token), and a K-step's target / draft / sampling."""
-    cfg = model.cfg
-    m = CONTEXT // 16
-    out: dict[int, dict[str, float]] = {}
-    target = make_target_step(model)
-    draft1, draft_k = make_draft_step(model, 1, MAX_MODEL_LEN), make_draft_step(model, k, MAX_MODEL_LEN)
-
-    def sampling(input_ids, logits, num_draft, hidden_rows):
-        st = SamplingTensors(*hidden_rows, all_greedy=True, any_top_k=False, any_top_p=False)
-        sampled = spec_decode.rejection_sample(input_ids[:, 1:], num_draft, logits, st)
-        nxt, valid = spec_decode.prepare_next_token_ids_padded(sampled, torch.zeros_like(num_draft, dtype=torch.bool),
-                                                               input_ids[:, 0], cfg.vocab_size)
-        qsl = torch.arange(input_ids.shape[0] + 1) * input_ids.shape[1]
-        return nxt, spec_decode.prepare_inputs_padded(qsl, num_draft, valid)[0]
-
-    fns = {name: compiled(f) for name, f in (("target", target), ("draft", draft1), ("sampling", sampling))}
-    draft_k_c = compiled(draft_k)
-    gen = torch.Generator().manual_seed(0)
-    for b in batches:
-        caches = tuple(torch.zeros(b * m + 1, 16, cfg.latent_dim) for _ in range(cfg.num_hidden_layers))
-        dcache = torch.zeros(b * m + 1, 16, cfg.latent_dim)
-        table = torch.arange(b).view(-1, 1) * m + torch.arange(m) + 1
-
-        def batch(q: int) -> list[torch.Tensor]:
-            pos = 100 + torch.arange(q).expand(b, q)
-            slots = torch.gather(table, 1, pos // 16) * 16 + pos % 16
-            return [torch.randint(1, cfg.vocab_size, (b, q), generator=gen), pos, slots, table, pos[:, -1] + 1]
-
-        one, verify = batch(1), batch(1 + k)
-        hid1, hidk = torch.randn(b, 1, cfg.hidden_size, generator=gen), torch.randn(b, 1 + k, cfg.hidden_size, generator=gen)
-        logits = torch.randn(b, 1 + k, cfg.vocab_size, generator=gen)
-        st = SamplingTensors.greedy_batch(b)
-        rows = (st.temperature, st.top_k, st.top_p, st.greedy)
-        nd = torch.full((b,), k)
-        zero = torch.zeros(b, dtype=torch.long)
-        out[b] = interleaved_medians({
-            "target_1": lambda: fns["target"](*one, caches),
-            "draft_1": lambda: fns["draft"](one[0], one[1], hid1, zero, one[2], one[3], one[4], dcache),
-            "target_verify": lambda: fns["target"](*verify, caches),
-            "draft_chain": lambda: draft_k_c(verify[0], verify[1], hidk, zero + k, verify[2], verify[3], verify[4],
-                                             dcache),
-            "sampling": lambda: fns["sampling"](verify[0], logits, nd, rows),
-        }, repeats)
-    return out
+def serve(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int | None) -> Tally:
+    """Every prompt, ``batch`` at a time, at K = ``k`` (None: adaptive, its acceptance learned afresh)."""
+    eng.force_k = k
+    if k is None:
+        eng.acceptance.offered[:] = [0] * eng.k
+        eng.acceptance.accepted[:] = [0] * eng.k
+    tally = Tally()
+    for i in range(0, len(prompts), batch):
+        outs, stats, metrics = eng.generate(prompts[i: i + batch], SamplingParams(), max_tokens)
+        tally.add(stats, [o.token_ids for o in outs], metrics)
+    return tally
 
 
-# -- 2. end to end ------------------------------------------------------------------------------------
-def make_engine(model: DeepseekV3ForCausalLM, k: int, batches: list[int], adaptive: bool) -> Engine:
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    cfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(batches), speculative=spec,
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(batches)),
-                       adaptive_k=adaptive)
-    return Engine(model, cfg)
+class PhaseProbe:
+    """Times the fused step's phases, compiled separately, on a real step's inputs (every ``PROBE_EVERY`` steps)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+        self.graphs: dict[int, tuple] = {}
+        self.seconds: dict[str, list[float]] = {"verify": [], "accept": [], "draft": []}
+        self.calls = 0
+
+    def phases(self, k: int) -> tuple:
+        if k not in self.graphs:
+            p = make_spec_phases(self.eng.model, k, self.eng.cfg.max_model_len, GREEDY)
+            backend = self.eng.backend
+            self.graphs[k] = tuple(backend.compile(fn, f"probe_{name}_k{k}", PHASE_DIMS[name])
+                                   for name, fn in (("verify", p.verify), ("accept", p.accept), ("propose", p.propose)))
+        return self.graphs[k]
+
+    def __call__(self, key: StepKey, args: tuple) -> None:
+        self.calls += 1
+        if self.calls % PROBE_EVERY == 0:
+            self._time_phases(key, args)
+
+    def _time_phases(self, key: StepKey, args: tuple) -> None:
+        verify, accept, propose = self.phases(key.k)
+        (input_ids, start, num_draft, table, live, temperature, top_k, top_p, greedy, uniform, exponential,
+         caches, draft_cache) = args
+        with torch.no_grad():
+            for warm in (True, False):  # the first call of a new shape may compile
+                t0 = time.perf_counter()
+                pos, slots, seq_lens, nd, hidden, logits = verify(input_ids, start, num_draft, table, live, caches)
+                t1 = time.perf_counter()
+                sampled, *_ = accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)
+                t2 = time.perf_counter()
+                propose(input_ids, start, sampled, nd, pos, hidden, slots, table, seq_lens, draft_cache)
+                t3 = time.perf_counter()
+        for name, t in (("verify", t1 - t0), ("accept", t2 - t1), ("draft", t3 - t2)):
+            self.seconds[name].append(t)
 
 
-def end_to_end(model: DeepseekV3ForCausalLM, ks: list[int], batches: list[int], max_tokens: int,
-               repeats: int) -> tuple[list[dict], dict]:
-    """K = 0 is an engine without speculation; K >= 1 and adaptive share one engine whose warm-up compiles every
-    K (``force_k`` pins one), so each graph compiles once."""
-    tok = TextTokenizer(BUNDLED_MODEL_DIR)
-    prompts = [tok.encode(p) for p in PROMPTS]
-    k_max = max(ks)
-    engines = {"no-spec": make_engine(model, 0, batches, False)}
-    if k_max:
-        engines["spec"] = make_engine(model, k_max, batches, True)
-    compile_s = {}
-    for name, eng in engines.items():
-        t0 = time.perf_counter()
-        eng.warmup(progress=False)
-        compile_s[name] = time.perf_counter() - t0
-        print(f"warm-up {name}: {compile_s[name]:.0f} s", flush=True)
-    contenders = {f"K={k}": (engines["spec"] if k else engines["no-spec"], k if k else None) for k in ks}
-    if k_max:
-        contenders["adaptive"] = (engines["spec"], None)
-
-    def run(name: str, batch: list[list[int]]):
-        eng, force = contenders[name]
-        eng.force_k = force
-        return eng.generate(batch, SamplingParams(), max_tokens)
-
-    rows = []
-    for b in batches:
-        batch = [prompts[i % len(prompts)] for i in range(b)]
-        runs: dict[str, list] = {name: [] for name in contenders}
-        for _ in range(repeats):
-            for name in contenders:
-                outs, stats, metrics = run(name, batch)
-                runs[name].append((stats, metrics, [o.token_ids for o in outs]))
-        base_rate = statistics.median(s.generated_tokens / s.decode_seconds for s, _, _ in runs["K=0"])
-        reference = runs["K=0"][0][2]
-        for name, rs in runs.items():
-            stats, metrics, tokens = rs[-1]
-            rate = statistics.median(s.generated_tokens / s.decode_seconds for s, _, _ in rs)
-            per_step = (stats.generated_tokens - b) / stats.request_steps
-            speedup = rate / base_rate
-            rows.append({
-                "batch": b, "contender": name, "tokens_per_s": rate, "speedup": speedup,
-                "tokens_per_request_step": per_step, "efficiency": speedup / per_step,
-                "host_us_per_step": 1e6 * statistics.median(s.host_seconds / max(1, sum(s.steps_per_k.values()))
-                                                            for s, _, _ in rs),
-                "acceptance_per_position": metrics.acceptance_per_position if metrics else [],
-                "steps_per_k": dict(stats.steps_per_k), "k_by_bucket": dict(stats.k_by_bucket),
-                "same_tokens_as_no_spec": tokens == reference,
-            })
-            r = rows[-1]
-            print(f"| {b} | {name} | {rate:.1f} | {speedup:.2f}x | {per_step:.2f} | {r['efficiency']:.2f} | "
-                  f"{r['host_us_per_step']:.0f} | {r['same_tokens_as_no_spec']} |", flush=True)
-    if k_max:
-        eng = engines["spec"]
-        for b in batches:
-            contexts = {c: eng.time_step(b, k_max, c, repeats=3 * repeats)
-                        for c in (128, 256, MAX_MODEL_LEN) if c <= MAX_MODEL_LEN}
-            rows.append({"batch": b, "contender": "context", "k": k_max, "step_seconds_by_context": contexts})
-            print(f"batch {b}, K={k_max}: step ms by context width " +
-                  ", ".join(f"{c}: {t * 1e3:.2f}" for c, t in contexts.items()), flush=True)
-    return rows, compile_s
-
-
-# -- 3. report ------------------------------------------------------------------------------------------
-def write_report(out: Path, costs: dict, k_cost: int, rows: list[dict], compile_s: dict, meta: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    contexts = [r for r in rows if r["contender"] == "context"]
-    rows = [r for r in rows if r["contender"] != "context"]
-    batches = sorted({r["batch"] for r in rows})
-    names = list(dict.fromkeys(r["contender"] for r in rows))
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in names:
-        ax.plot(batches, [next(r["tokens_per_s"] for r in rows if r["batch"] == b and r["contender"] == name)
-                          for b in batches], marker="o", label=name)
-    ax.set(xlabel="batch size (requests)", ylabel="generated tokens/s", xscale="log", xticks=batches,
-           xticklabels=[str(b) for b in batches], title="Greedy decoding, fused graph step")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_s.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        if r["batch"] == batches[0] and r["acceptance_per_position"] and r["contender"].startswith("K="):
-            acc = r["acceptance_per_position"]
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=r["contender"])
-    ax.set(xlabel="draft position", ylabel="accepted / drafted", ylim=(0, 1),
-           title=f"Acceptance per position (batch {batches[0]})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance.png", dpi=120)
-    plt.close(fig)
-
-    host = {r["batch"]: r["host_us_per_step"] / 1e3 for r in rows if r["contender"] == f"K={k_cost}"}
-    parts = [("target verify", "target_verify"), ("draft chain", "draft_chain"), ("sampling", "sampling")]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bottom = [0.0] * len(batches)
-    for label, key in parts:
-        vals = [costs[b][key] * 1e3 for b in batches]
-        ax.bar([str(b) for b in batches], vals, bottom=bottom, label=label)
-        bottom = [x + y for x, y in zip(bottom, vals)]
-    ax.bar([str(b) for b in batches], [host.get(b, 0.0) for b in batches], bottom=bottom, label="host")
-    ax.set(xlabel="batch size", ylabel="ms per step", title=f"Step-time breakdown, K={k_cost}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "step_breakdown.png", dpi=120)
-    plt.close(fig)
-
-    lines = [f"# Benchmark: speculation vs none ({meta['model']})", "",
-             f"{meta['machine']}; torch {meta['torch']}, {meta['threads']} threads; greedy, {meta['max_tokens']} "
-             f"tokens per request, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
-             f"{meta['repeats']} interleaved runs. Command: `{meta['command']}`", "",
-             "## Step costs (ms, compiled)", "",
-             f"| batch | target step (1 token) | draft step (1 token) | draft ÷ target | target verify ({1 + k_cost} tokens) "
-             f"| draft chain (K={k_cost}) | sampling + bookkeeping |", "|---|---|---|---|---|---|---|"]
-    for b in batches:
-        c = costs[b]
-        lines.append(f"| {b} | {c['target_1'] * 1e3:.2f} | {c['draft_1'] * 1e3:.2f} | {c['draft_1'] / c['target_1']:.3f} | "
-                     f"{c['target_verify'] * 1e3:.2f} | {c['draft_chain'] * 1e3:.2f} | {c['sampling'] * 1e3:.3f} |")
-    lines += ["", "## End to end", "",
-              "| batch | contender | tokens/s | vs K=0 | tokens per request-step | efficiency | host µs/step | "
-              "K per bucket (adaptive) | same tokens as K=0 |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        kb = r["k_by_bucket"].get(r["batch"], "") if r["contender"] == "adaptive" else ""
-        lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{r['tokens_per_request_step']:.2f} | {r['efficiency']:.2f} | {r['host_us_per_step']:.0f} | {kb} | "
-                     f"{r['same_tokens_as_no_spec']} |")
-    if contexts:
-        widths = list(contexts[0]["step_seconds_by_context"])
-        lines += ["", f"## Step time by context width (ms, K={contexts[0]['k']}, fused step)", "",
-                  "| batch | " + " | ".join(f"{w} keys" for w in widths) + " |", "|---" * (len(widths) + 1) + "|"]
-        lines += [f"| {c['batch']} | " + " | ".join(f"{c['step_seconds_by_context'][w] * 1e3:.2f}" for w in widths)
-                  + " |" for c in contexts]
-    lines += ["", "Warm-up (compile) seconds: " + ", ".join(f"{n} {s:.0f}" for n, s in compile_s.items()), "",
-              "![tokens/s](tokens_per_s.png) ![acceptance](acceptance.png) ![breakdown](step_breakdown.png)", ""]
-    (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"meta": meta, "step_costs": costs, "end_to_end": rows, "context": contexts,
-                                                  "compile_seconds": compile_s}, indent=2) + "\n")
+def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
+    """The step-time account at K = ``k``, ms per step: one run timed as it is (wall, graph, host, prefill, loop), one
+    more with the phase probe (it runs extra graphs between steps, so its own step times are not used)."""
+    reqs = prompts[: max(batch, 4)]
+    tally = serve(eng, reqs, batch, max_tokens, k)
+    probe = PhaseProbe(eng)
+    eng.runner.step_observer = probe
+    try:
+        serve(eng, reqs, batch, max_tokens, k)
+    finally:
+        eng.runner.step_observer = None
+    per_step = lambda s: 1e3 * s / tally.steps  # noqa: E731
+    graph, host, prefill, wall = (per_step(x) for x in (tally.graph, tally.host, tally.prefill, tally.seconds))
+    phases = {name: 1e3 * statistics.median(v) for name, v in probe.seconds.items()}
+    draft = phases["draft"] if k else 0.0
+    return {"batch": batch, "k": k, "wall_ms": wall, "graph_ms": graph, "host_ms": host, "prefill_ms": prefill,
+            "loop_ms": wall - graph - host - prefill, "verify_ms": phases["verify"], "accept_ms": phases["accept"],
+            "draft_ms": draft, "phases_ms": phases["verify"] + phases["accept"] + draft, "rebuilds": tally.rebuilds,
+            "steps": tally.steps}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("docs/bench"))
     ap.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=Path, default=PROMPTS_FILE)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--cost-k", type=int, default=2, help="K of the step-time breakdown")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    if 0 not in args.ks:
-        ap.error("--ks must include 0 (the no-speculation baseline)")
+    if min(args.ks) < 1:
+        ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
     torch.manual_seed(0)
     model = load_model(args.model)
+    tok = TextTokenizer(args.model)
+    prompts = read_prompts(args.prompts, tok)
+    k_max = max(args.ks)
+    cfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batches),
+                       speculative=SpeculativeConfig(num_speculative_tokens=k_max),
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches))),
+                       adaptive_k=True)
+    eng = Engine(model, cfg)
+    eng.eos_token_id = None  # every request generates max_tokens: the same work for every contender
+    t0 = time.perf_counter()
+    report = eng.warmup(progress=True)
+    warmup_s = time.perf_counter() - t0
+    contenders: dict[str, int | None] = {"no-spec": 0, **{f"K={k}": k for k in args.ks}, "adaptive": None}
+
+    runs: dict[tuple[int, str], list[Tally]] = {}
+    for r in range(args.rounds):
+        for b in args.batches:
+            for name, k in contenders.items():
+                runs.setdefault((b, name), []).append(serve(eng, prompts, b, args.max_tokens, k))
+                t = runs[(b, name)][-1]
+                print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
+    accounts = {(b, k): account(eng, prompts, b, args.max_tokens, k) for b in args.batches for k in [0, *args.ks]}
+    for a in accounts.values():
+        print(f"account batch {a['batch']} K={a['k']}: " + ", ".join(
+            f"{key} {v:.2f}" for key, v in a.items() if key.endswith("_ms")), flush=True)
+
+    rows = []
+    for b in args.batches:
+        base = runs[(b, "no-spec")]
+        base_rate = statistics.median(t.tokens_per_s for t in base)
+        one_token = accounts[(b, 0)]["graph_ms"]
+        base_step = statistics.median(1e3 * t.seconds / t.steps for t in base)
+        sound = abs(base_step - one_token) <= BASELINE_TOLERANCE * one_token
+        for name, k in contenders.items():
+            ts = runs[(b, name)]
+            last = ts[-1]
+            rate = statistics.median(t.tokens_per_s for t in ts)
+            speedup = rate / base_rate
+            row = {"batch": b, "contender": name, "tokens_per_s": rate, "speedup": speedup if sound else None,
+                   "tokens_per_request_step": last.tokens_per_request_step,
+                   "acceptance_per_position": last.acceptance(), "steps_per_k": last.steps_per_k,
+                   "same_tokens_as_no_spec": last.outputs == base[-1].outputs,
+                   "baseline_ms_per_step": base_step, "one_token_graph_ms": one_token, "baseline_sound": sound}
+            if k:  # the limit these step costs and this acceptance allow
+                graph_k = accounts[(b, k)]["graph_ms"]
+                limit = expected_tokens_per_step(last.acceptance(), k) * one_token / graph_k
+                row.update(limit=limit, efficiency=speedup / limit if sound else None)
+            rows.append(row)
     meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} cores", "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "command": "python tools/bench.py " + " ".join(
-                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in vars(args).items() if k not in ("out", "model"))}
-    with torch.no_grad():
-        print("| batch | contender | tok/s | vs K=0 | tokens/request-step | efficiency | host µs/step | same tokens |")
-        rows, compile_s = end_to_end(model, args.ks, args.batches, args.max_tokens, args.repeats)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "end_to_end.json").write_text(json.dumps(rows, indent=2) + "\n")  # kept if the rest is cut short
-        costs = step_costs(model, args.batches, args.cost_k, max(10, 5 * args.repeats))
-        for b, c in costs.items():
-            print(f"batch {b}: target {c['target_1'] * 1e3:.2f} ms, draft {c['draft_1'] * 1e3:.2f} ms, "
-                  f"ratio {c['draft_1'] / c['target_1']:.3f}", flush=True)
-    write_report(args.out, costs, args.cost_k, rows, compile_s, meta)
+            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
+            "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": eng.step_seconds,
+            "command": "python tools/bench.py --batches " + " ".join(map(str, args.batches)) + " --ks "
+                       + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"}
+    write_report(args.out, rows, list(accounts.values()), meta)
     print(f"wrote {args.out}/results.md and plots")
+
+
+def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    batches = sorted({r["batch"] for r in rows})
+    names = [n for n in dict.fromkeys(r["contender"] for r in rows) if n != "no-spec"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in names:
+        pts = [(b, r["speedup"]) for b in batches for r in rows
+               if r["batch"] == b and r["contender"] == name and r["speedup"] is not None]
+        ax.plot([batches.index(b) for b, _ in pts], [s for _, s in pts], marker="o",
+                linewidth=2.5 if name == "adaptive" else 1.5, label=name)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="no speculation")
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set(xlabel="batch size (concurrent requests)", ylabel="speed-up over no speculation (×)",
+           title=f"MTP speculation, greedy, {meta['model']}, {meta['machine']}")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    ks = sorted({a["k"] for a in accounts})
+    fig, axes = plt.subplots(1, len(batches), figsize=(2.2 * len(batches) + 1, 4), sharey=False)
+    parts = [("verify", "verify_ms"), ("accept", "accept_ms"), ("draft chain", "draft_ms"), ("host", "host_ms"),
+             ("prefill", "prefill_ms"), ("loop", "loop_ms")]
+    for ax, b in zip(axes, batches):
+        acc = [next(a for a in accounts if a["batch"] == b and a["k"] == k) for k in ks]
+        bottom = [0.0] * len(ks)
+        for label, key in parts:
+            vals = [max(0.0, a[key]) for a in acc]
+            ax.bar([f"K={k}" for k in ks], vals, bottom=bottom, label=label)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        ax.plot([f"K={k}" for k in ks], [a["wall_ms"] for a in acc], "k_", markersize=20, label="wall")
+        ax.set_title(f"batch {b}")
+        ax.set_ylabel("ms per step" if b == batches[0] else "")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("Step-time account (measured inside the run)")
+    fig.tight_layout()
+    fig.savefig(out / "step_account.png", dpi=120)
+    plt.close(fig)
+
+    fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"# Does speculation pay? ({meta['model']})", "",
+             f"{meta['machine']}; torch {meta['torch']}; greedy, {meta['requests']} requests × {meta['max_tokens']} "
+             f"tokens at each batch size, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
+             f"{meta['rounds']} rounds, contenders interleaved. Command: `{meta['command']}`. Warm-up "
+             f"{meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} graphs).", "",
+             "## End to end", "",
+             "| batch | contender | tokens/s | × no-spec | tokens / request-step | limit | efficiency | K run "
+             "(steps) | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        steps = ", ".join(f"{k}: {n}" for k, n in sorted(r["steps_per_k"].items()))
+        lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup'])} | "
+                     f"{r['tokens_per_request_step']:.2f} | {fmt(r.get('limit'))} | {fmt(r.get('efficiency'))} | "
+                     f"{steps} | {r['same_tokens_as_no_spec']} |")
+    unsound = sorted({r["batch"] for r in rows if not r["baseline_sound"]})
+    if unsound:
+        lines += ["", f"Speed-ups withheld at batch {unsound}: the no-spec wall time per step strays more than "
+                  f"{BASELINE_TOLERANCE:.0%} from its one-token graph time (" + "; ".join(
+                      f"batch {r['batch']}: {r['baseline_ms_per_step']:.2f} vs {r['one_token_graph_ms']:.2f} ms"
+                      for r in rows if r["contender"] == "no-spec" and not r["baseline_sound"]) + ")."]
+    lines += ["", "## Step-time account (ms per step, measured inside the run)", "",
+              "wall = graph + host + prefill + loop (loop: the engine's scheduling and bookkeeping, what no other "
+              "timer holds). The graph's phases are compiled separately and timed on every 4th step's own inputs; "
+              "their sum against the fused graph shows what fusing saves.", "",
+              "| batch | K | wall | graph | host | prefill | loop | verify | accept | draft chain | phases Σ | "
+              "verify ÷ step(1) | draft ÷ step(1) | rebuilds |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in accounts:
+        one = next(x for x in accounts if x["batch"] == a["batch"] and x["k"] == 0)["graph_ms"]
+        lines.append(f"| {a['batch']} | {a['k']} | {a['wall_ms']:.2f} | {a['graph_ms']:.2f} | {a['host_ms']:.2f} | "
+                     f"{a['prefill_ms']:.2f} | {a['loop_ms']:.2f} | {a['verify_ms']:.2f} | {a['accept_ms']:.2f} | "
+                     f"{a['draft_ms']:.2f} | {a['phases_ms']:.2f} | {a['verify_ms'] / one:.2f} | "
+                     f"{a['draft_ms'] / one:.2f} | {a['rebuilds']} |")
+    lines += ["", "![speed-up](speedup.png)", "", "![step account](step_account.png)", ""]
+    (out / "results.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts},
+                                                 indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":
