@@ -175,16 +175,18 @@ class Engine:
         compiles_before = dynamo_compile_count()
         start = time.perf_counter()
         while not sched.done:
-            while (seq := sched.next_admission(stats.num_steps)) is not None:
+            admitted = sched.admissions(stats.num_steps)
+            if admitted:
                 t0 = time.perf_counter()
-                token, entry, drafts = self.runner.prefill(seq, generator)
+                firsts = self.runner.prefill(admitted, generator)
                 stats.prefill_seconds += time.perf_counter() - t0
-                if entry is not None:
-                    seq.logprobs = [*(seq.logprobs or []), entry]
-                seq.draft_ids = drafts
-                stats.generated_tokens += 1
-                sched.append(seq, token)
-                sched.admitted(seq)
+                for seq, (token, entry, drafts) in zip(admitted, firsts):
+                    if entry is not None:
+                        seq.logprobs = [*(seq.logprobs or []), entry]
+                    seq.draft_ids = drafts
+                    stats.generated_tokens += 1
+                    sched.append(seq, token)
+                    sched.admitted(seq)
             room = sched.make_room()
             for victim in room.preempted:
                 self.runner.forget(victim)

@@ -49,6 +49,8 @@ from .torchair_proposer import MtpTorchairProposer
 
 logger = logging.getLogger(__name__)
 
+#: padded tokens one eager prefill forward takes (requests admitted together share forwards up to this)
+PREFILL_TOKENS = 4096
 TARGET_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("slot_mapping", -1),
                      BatchArg("block_table", 0, width=True), BatchArg("seq_lens", 0))
 
@@ -304,37 +306,57 @@ class ModelRunner:
                            torch.zeros(rows, dtype=torch.bool, device=dev),
                            SamplingTensors.greedy_batch(rows, dev))
 
-    # -- prefill (eager, one request at a time, as nano-vllm) ----------------------------------------
-    def prefill(self, seq: Sequence, generator: torch.Generator | None
-                ) -> tuple[int, dict[int, float] | None, list[int]]:
-        """Prefill the prompt, or for a preempted request its prompt and generated tokens (recompute); returns
-        the token sampled at the last position, its logprob entry (if asked) and the drafts for the next step."""
+    # -- prefill (eager; the requests admitted together share one forward) ------------------------------
+    def prefill(self, seqs: list[Sequence], generator: torch.Generator | None
+                ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
+        """Prefill each prompt, or for a preempted request its prompt and generated tokens (recompute); returns per
+        request the token sampled at its last position, its logprob entry (if asked) and the drafts for the next
+        step. Requests go together, right-padded, up to ``PREFILL_TOKENS`` padded tokens a forward: one eager pass
+        instead of one per request (at batch 16, a fifth of the run's time went to one-by-one prefills)."""
+        out: list[tuple[int, dict[int, float] | None, list[int]]] = []
+        group: list[Sequence] = []
+        for seq in seqs:
+            longest = max([seq.num_tokens, *(s.num_tokens for s in group)])
+            if group and longest * (len(group) + 1) > PREFILL_TOKENS:
+                out += self._prefill_group(group, generator)
+                group = []
+            group.append(seq)
+        return out + self._prefill_group(group, generator)
+
+    def _prefill_group(self, seqs: list[Sequence], generator: torch.Generator | None
+                       ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
         dev = self.device
-        tokens = seq.prompt_ids + seq.output_ids
-        n = len(tokens)
-        positions = list(range(n))
+        max_len = self.cfg.max_model_len
+        tokens = [s.prompt_ids + s.output_ids for s in seqs]
+        lens = [len(t) for t in tokens]
+        n = max(lens)
         width = live_blocks(n + 2 * self.k, self.max_blocks)  # eager: any width, the live one is cheapest
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        pos = torch.tensor([positions], dtype=torch.long, device=dev)
-        slots = torch.tensor([slots_of(seq, positions, self.cfg.max_model_len)], dtype=torch.long, device=dev)
-        table = torch.tensor([block_row(seq, width)], dtype=torch.long, device=dev)
-        seq_lens = torch.tensor([n], dtype=torch.long, device=dev)
+        # Pad tokens repeat the row's last position and write nothing: they see only the row's own keys.
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
+        pos = torch.tensor([list(range(m)) + [m - 1] * (n - m) for m in lens], dtype=torch.long, device=dev)
+        slots = torch.tensor([slots_of(s, list(range(m)), max_len) + [-1] * (n - m) for s, m in zip(seqs, lens)],
+                             dtype=torch.long, device=dev)
+        table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        last = seq_lens - 1
+        rows = torch.arange(len(seqs), device=dev)
         with torch.no_grad():
             hidden, logits = self._target_eager(ids, pos, slots, table, seq_lens, self.caches.target)
-            token = sample(logits[:, -1], SamplingTensors.from_params([seq.params], dev), generator)
-        first = int(token[0])
-        entry = None
-        if seq.params.logprobs is not None:
-            top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(logits[:, -1:], token.view(1, 1),
-                                                                          seq.params.logprobs))
-            entry = logprob_entries(top_ids[0][0], top_lp[0][0], tok_lp[0][0], first, seq.params.logprobs)
+            last_logits = logits[rows, last]  # [B, V]
+            token = sample(last_logits, SamplingTensors.from_params([s.params for s in seqs], dev), generator)
+        firsts = token.tolist()
+        entries: list[dict[int, float] | None] = [None] * len(seqs)
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        if wanted:
+            top_ids, top_lp, tok_lp = (t.tolist() for t in top_logprobs(last_logits.unsqueeze(1), token.view(-1, 1),
+                                                                          max(wanted)))
+            entries = [logprob_entries(top_ids[i][0], top_lp[i][0], tok_lp[i][0], firsts[i], s.params.logprobs)
+                       if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         if self.proposer is None:
-            return first, entry, []
-        sample_idx = torch.tensor([n - 1], dtype=torch.long, device=dev)
+            return [(t, e, []) for t, e in zip(firsts, entries)]
         # A prompt has its own length: the eager reference drafts it (its query width is no graph's).
-        drafts = self.proposer.propose_reference(DraftInputs(ids, pos, hidden, slots, token, sample_idx, table,
-                                                             seq_lens))
-        return first, entry, drafts[0].tolist()
+        drafts = self.proposer.propose_reference(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
+        return [(t, e, d) for t, e, d in zip(firsts, entries, drafts.tolist())]
 
     # -- decode -------------------------------------------------------------------------------------
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:

@@ -89,17 +89,25 @@ class Scheduler:
         ``start + 2K - 1`` (``start = num_tokens - 1``)."""
         return seq.num_tokens - 1 + max(1 + self.k, 2 * self.k)
 
-    def next_admission(self, arrived: int) -> Sequence | None:
-        """The next waiting request to prefill, if the batch has room, it has arrived (``arrived``: the steps run
-        so far; an idle engine takes the next arrival at once) and the pool holds its prefill and first step."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
+    def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:
+        """The next waiting request to prefill, if the batch has room (``pending``: requests taken for this
+        prefill, not yet running), it has arrived (``arrived``: the steps run so far; an idle engine takes the next
+        arrival at once) and the pool holds its prefill and first step."""
+        if not self.waiting or len(self.running) + pending >= self.max_num_seqs:
             return None
         head = self.waiting[0]
-        if self.arrivals[head.req_id] > arrived and self.running:
+        if self.arrivals[head.req_id] > arrived and (self.running or pending):
             return None
         if not self.blocks.ensure_capacity(head.blocks, self.step_tokens(head) + 1):
             return None
         return self.waiting.popleft()
+
+    def admissions(self, arrived: int) -> list[Sequence]:
+        """Every request :meth:`next_admission` would take now, in order: they prefill together."""
+        taken: list[Sequence] = []
+        while (seq := self.next_admission(arrived, len(taken))) is not None:
+            taken.append(seq)
+        return taken
 
     def admitted(self, seq: Sequence) -> None:
         """``seq`` was prefilled: it runs, or (finished by its first token) gives its blocks back."""

@@ -201,3 +201,16 @@ def test_no_spec_lone_request_has_its_own_warm_graph(trained_dir, prompts):
     ref, _, _ = _engine(trained_dir, 0, fused=False, max_model_len=96).generate(prompts[:3], SamplingParams(),
                                                                                 [40, 10, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+def test_step_time_account_adds_up_and_observer_sees_every_step(trained_dir, prompts):
+    """RunStats splits the run's wall time into graph replays, the runner's host work and prefills (the rest is the
+    engine's loop); an observer gets each fused step's key and arguments, outside every step timer."""
+    eng = _engine(trained_dir, 2, fused=True)
+    seen = []
+    eng.runner.step_observer = lambda key, args: seen.append((key.k, len(args), args[0].shape[1]))
+    _, stats, _ = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert len(seen) == stats.num_steps and set(seen) == {(2, 13, 3)}
+    assert stats.graph_seconds > 0 and stats.host_seconds > 0 and stats.prefill_seconds > 0
+    assert stats.graph_seconds + stats.host_seconds + stats.prefill_seconds < stats.decode_seconds
+    assert 1 <= stats.batch_rebuilds < stats.num_steps  # rebuilt when the batch changes, not every step

@@ -135,3 +135,27 @@ def test_rope_matches_vllm_deepseek_rope():
     q_ref, k_ref = theirs.forward_native(pos, q.clone().flatten(1), k.clone().flatten(1))
     torch.testing.assert_close(ours(q, pos).flatten(1), q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours(k, pos).flatten(1), k_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_weight_left_linear_is_the_same_function_and_backends_choose_it():
+    """``(W·xᵀ)ᵀ`` (MKL's faster kernel for a few tokens on CPU) equals ``x·Wᵀ``; CPU inductor turns it on for every
+    linear layer of the model, the eager reference keeps the plain product."""
+    from ascend_spec.graph.backends.eager import EagerBackend
+    from ascend_spec.graph.backends.inductor import InductorBackend
+    from ascend_spec.graph.layers import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(16, 24, bias=False)
+    x = torch.randn(2, 3, 16)
+    plain = lin(x)
+    lin.weight_left = True
+    left = lin(x)
+    assert left.shape == plain.shape == (2, 3, 24)
+    torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-6)
+    model = random_model()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and model.lm_head in linears
+    model.use_backend(InductorBackend(torch.device("cpu")))
+    assert all(m.weight_left for m in linears)
+    model.use_backend(EagerBackend())
+    assert not any(m.weight_left for m in linears)
