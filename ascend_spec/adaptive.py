@@ -1,9 +1,10 @@
 """Adaptive K: per batch bucket, the number of drafts that gives the most tokens per second.
 
 Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
-a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]`` (measured at warm-up, the same
-fused graphs on the same inert batch, contenders interleaved). K = 0 — plain decoding — wins where drafts do not
-pay, so speculation never costs more than it brings.
+a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
+fused graphs on the same inert batch, K values interleaved), then followed by the steps the run replays (a moving
+average: a warm-up figure taken on a noisy machine does not rule a K out for good). K = 0 — plain decoding — wins
+where drafts do not pay, so speculation never costs more than it brings.
 
 Acceptance is learned from the run. A bucket below K_max keeps it fresh by exploring: every ``EXPLORE_EVERY``
 steps it runs the last two at K_max (the first drafts K_max tokens, the second verifies them).
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 EXPLORE_EVERY = 32
 #: consecutive K_max steps an exploration takes: one to draft K_max tokens, one to verify them
 EXPLORE_STEPS = 2
+#: weight of one measured step in a bucket's running step cost
+COST_SMOOTHING = 0.1
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -52,6 +55,12 @@ class AdaptiveK:
         if k < self.k_max and n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
             return self.k_max
         return k
+
+    def observe(self, bucket: int, k: int, seconds: float) -> None:
+        """A step of ``bucket`` at K = ``k`` took ``seconds`` (its graph replay): fold it into the running cost."""
+        costs = self.step_seconds.get(bucket)
+        if costs is not None and k in costs:
+            costs[k] += COST_SMOOTHING * (seconds - costs[k])
 
     def speedup_limit(self, bucket: int, k: int, acceptance: list[float]) -> float:
         """The speed-up over K = 0 these costs and this acceptance allow: tokens per step ÷ relative step cost."""

@@ -258,7 +258,7 @@ class ModelRunner:
             self._time_steps()
         self._batch = None
 
-    def _time_steps(self, rounds: int = 3) -> None:
+    def _time_steps(self, rounds: int = 5) -> None:
         """Step cost per bucket and K for adaptive K: medians of ``rounds`` rounds, the K values interleaved in each
         so machine noise weighs on all of them alike."""
         for bucket in self.batch_sizes:
@@ -506,6 +506,8 @@ class ModelRunner:
                 self._count_end(counter, stats)
         t2 = time.perf_counter()
         stats.graph_seconds += t2 - t1
+        if self.cfg.adaptive_k:
+            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, t2 - t1)
         if self.step_observer is not None:
             self.step_observer(key, args)
             t2 = time.perf_counter()  # the observer's time is nobody's: not the host's either

@@ -101,6 +101,10 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     first = ks.index(2)
     assert ks[first: first + EXPLORE_STEPS] == [2] * EXPLORE_STEPS
     assert policy.speedup_limit(1, 2, good) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
+    # measured steps move a bucket's costs: a warm-up figure that was too high does not rule K out for good
+    for _ in range(100):
+        policy.observe(8, 1, 1.05)
+    assert policy.step_seconds[8][1] == pytest.approx(1.05, rel=1e-3) and policy.k_for(8, poor) == 1
 
 
 def test_acceptance_tracker_counts_conditional_rates():
