@@ -506,7 +506,7 @@ class ModelRunner:
                 self._count_end(counter, stats)
         t2 = time.perf_counter()
         stats.graph_seconds += t2 - t1
-        if self.cfg.adaptive_k:
+        if self.cfg.adaptive_k and self.force_k is None:
             self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, t2 - t1)
         if self.step_observer is not None:
             self.step_observer(key, args)

@@ -6,8 +6,8 @@
 One engine (inductor, the bundled model, greedy) serves every contender, so they replay the same compiled graphs:
 no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance learned afresh in
 each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), served ``b`` at a
-time for batch size ``b``; every contender at every batch size generates the same tokens from the same prompts.
-Rounds repeat the whole set, contenders interleaved within each, and figures are medians over rounds.
+time for batch size ``b``, each group by every contender in turn; every contender at every batch size generates the
+same tokens from the same prompts. Rounds repeat the whole set; figures are medians over rounds.
 
 The step-time account (per batch size and K, on the first max(b, 4) requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
@@ -109,17 +109,35 @@ class Tally:
         return rates
 
 
-def serve(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int | None) -> Tally:
-    """Every prompt, ``batch`` at a time, at K = ``k`` (None: adaptive, its acceptance learned afresh)."""
+def serve(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int | None,
+          tally: Tally | None = None) -> Tally:
+    """Every prompt, ``batch`` at a time, at K = ``k`` (None: adaptive)."""
     eng.force_k = k
-    if k is None:
-        eng.acceptance.offered[:] = [0] * eng.k
-        eng.acceptance.accepted[:] = [0] * eng.k
-    tally = Tally()
+    tally = tally or Tally()
     for i in range(0, len(prompts), batch):
         outs, stats, metrics = eng.generate(prompts[i: i + batch], SamplingParams(), max_tokens)
         tally.add(stats, [o.token_ids for o in outs], metrics)
     return tally
+
+
+def use_tracker(eng: Engine, tracker: AcceptanceTracker) -> None:
+    eng.acceptance = eng.runner.acceptance = tracker
+
+
+def serve_interleaved(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int,
+                      contenders: dict[str, int | None]) -> dict[str, Tally]:
+    """Each group of ``batch`` prompts is served by every contender in turn, so a noisy second weighs on all of them
+    alike. Adaptive K learns its acceptance afresh (a tracker of its own, kept across the groups)."""
+    tallies = {name: Tally() for name in contenders}
+    own, scratch = AcceptanceTracker.empty(eng.k), AcceptanceTracker.empty(eng.k)
+    try:
+        for i in range(0, len(prompts), batch):
+            for name, k in contenders.items():
+                use_tracker(eng, own if k is None else scratch)
+                serve(eng, prompts[i: i + batch], batch, max_tokens, k, tallies[name])
+    finally:
+        use_tracker(eng, scratch)
+    return tallies
 
 
 class PhaseProbe:
@@ -213,9 +231,8 @@ def main() -> None:
     runs: dict[tuple[int, str], list[Tally]] = {}
     for r in range(args.rounds):
         for b in args.batches:
-            for name, k in contenders.items():
-                runs.setdefault((b, name), []).append(serve(eng, prompts, b, args.max_tokens, k))
-                t = runs[(b, name)][-1]
+            for name, t in serve_interleaved(eng, prompts, b, args.max_tokens, contenders).items():
+                runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
     accounts = {(b, k): account(eng, prompts, b, args.max_tokens, k) for b in args.batches for k in [0, *args.ks]}
     for a in accounts.values():
