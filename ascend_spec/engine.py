@@ -156,15 +156,20 @@ class Engine:
         return list(params), list(max_tokens), arrivals
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None
-                 ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+                 max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None,
+                 max_num_seqs: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
         """``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
-        takes the next arrival at once."""
+        takes the next arrival at once. ``max_num_seqs``: at most this many requests run at once in this call
+        (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish."""
         params, max_tokens, arrivals = self._check_requests(prompts, params, max_tokens, arrivals)
+        limit = self.cfg.max_num_seqs if max_num_seqs is None else max_num_seqs
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.cfg.max_num_seqs:
+            raise ValueError(f"max_num_seqs={max_num_seqs!r}; allowed: an int in 1..{self.cfg.max_num_seqs} "
+                             "(the engine's max_num_seqs)")
         self.warmup_for(params)
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        sched = Scheduler(self.blocks, self.cfg.max_model_len, self.cfg.max_num_seqs, self.k, self.eos_token_id)
+        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k, self.eos_token_id)
         sched.add(seqs, arrivals)
         stats = RunStats(backend=self.backend_name)
         if self._pending_report is not None:

@@ -5,11 +5,13 @@
 
 One engine (inductor, the bundled model, greedy) serves every contender, so they replay the same compiled graphs:
 no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance learned afresh in
-each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), served ``b`` at a
-time for batch size ``b``, each group by every contender in turn; every contender at every batch size generates the
-same tokens from the same prompts. Rounds repeat the whole set; figures are medians over rounds.
+each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to at least
+four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the next
+(continuous batching, as a server runs: a closed batch would end at the pace of its slowest request). Contenders
+take turns on each chunk of 4b requests and all generate the same tokens. Rounds repeat the whole set; figures are
+medians over rounds.
 
-The step-time account (per batch size and K, on the first max(b, 4) requests): each fused step's graph time and the
+The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
 second run, on every 4th step, the three phases of the fused graph (verify of 1 + K tokens, acceptance, the K-step
 draft chain) are compiled separately and timed on that step's own inputs (medians). ``verify(1+K) ÷ step(1)`` compares verify with the K = 0 step's graph.
@@ -47,6 +49,7 @@ MAX_MODEL_LEN = 512
 #: a baseline whose wall time per step strays further than this from its one-token graph time is not a baseline
 BASELINE_TOLERANCE = 0.20
 PROBE_EVERY = 4
+REQUESTS_PER_SLOT = 4
 
 
 def read_prompts(path: Path, tok: TextTokenizer) -> list[list[int]]:
@@ -109,14 +112,19 @@ class Tally:
         return rates
 
 
-def serve(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int | None,
+def requests_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """At least four requests per running slot (the prompts cycled): the batch stays full while the queue drains."""
+    return [prompts[i % len(prompts)] for i in range(max(len(prompts), REQUESTS_PER_SLOT * batch))]
+
+
+def serve(eng: Engine, requests: list[list[int]], batch: int, max_tokens: int, k: int | None,
           tally: Tally | None = None) -> Tally:
-    """Every prompt, ``batch`` at a time, at K = ``k`` (None: adaptive)."""
+    """``requests`` with at most ``batch`` running at once (continuous batching: a finished request's slot goes to
+    the next), at K = ``k`` (None: adaptive)."""
     eng.force_k = k
     tally = tally or Tally()
-    for i in range(0, len(prompts), batch):
-        outs, stats, metrics = eng.generate(prompts[i: i + batch], SamplingParams(), max_tokens)
-        tally.add(stats, [o.token_ids for o in outs], metrics)
+    outs, stats, metrics = eng.generate(requests, SamplingParams(), max_tokens, max_num_seqs=batch)
+    tally.add(stats, [o.token_ids for o in outs], metrics)
     return tally
 
 
@@ -124,17 +132,19 @@ def use_tracker(eng: Engine, tracker: AcceptanceTracker) -> None:
     eng.acceptance = eng.runner.acceptance = tracker
 
 
-def serve_interleaved(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int,
+def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_tokens: int,
                       contenders: dict[str, int | None]) -> dict[str, Tally]:
-    """Each group of ``batch`` prompts is served by every contender in turn, so a noisy second weighs on all of them
-    alike. Adaptive K learns its acceptance afresh (a tracker of its own, kept across the groups)."""
+    """The requests in chunks of ``REQUESTS_PER_SLOT × batch``, each chunk served by every contender in turn, so a
+    noisy second weighs on all of them alike. Adaptive K learns its acceptance afresh (a tracker of its own, kept
+    across the chunks)."""
     tallies = {name: Tally() for name in contenders}
     own, scratch = AcceptanceTracker.empty(eng.k), AcceptanceTracker.empty(eng.k)
+    chunk = REQUESTS_PER_SLOT * batch
     try:
-        for i in range(0, len(prompts), batch):
+        for i in range(0, len(requests), chunk):
             for name, k in contenders.items():
                 use_tracker(eng, own if k is None else scratch)
-                serve(eng, prompts[i: i + batch], batch, max_tokens, k, tallies[name])
+                serve(eng, requests[i: i + chunk], batch, max_tokens, k, tallies[name])
     finally:
         use_tracker(eng, scratch)
     return tallies
@@ -182,7 +192,7 @@ class PhaseProbe:
 def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
     """The step-time account at K = ``k``, ms per step: one run timed as it is (wall, graph, host, prefill, loop), one
     more with the phase probe (it runs extra graphs between steps, so its own step times are not used)."""
-    reqs = prompts[: max(batch, 4)]
+    reqs = requests_for(prompts, batch)[: REQUESTS_PER_SLOT * batch]
     tally = serve(eng, reqs, batch, max_tokens, k)
     probe = PhaseProbe(eng)
     eng.runner.step_observer = probe
@@ -231,7 +241,7 @@ def main() -> None:
     runs: dict[tuple[int, str], list[Tally]] = {}
     for r in range(args.rounds):
         for b in args.batches:
-            for name, t in serve_interleaved(eng, prompts, b, args.max_tokens, contenders).items():
+            for name, t in serve_interleaved(eng, requests_for(prompts, b), b, args.max_tokens, contenders).items():
                 runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
     accounts = {(b, k): account(eng, prompts, b, args.max_tokens, k) for b in args.batches for k in [0, *args.ks]}
@@ -319,8 +329,8 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
 
     fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
     lines = [f"# Does speculation pay? ({meta['model']})", "",
-             f"{meta['machine']}; torch {meta['torch']}; greedy, {meta['requests']} requests × {meta['max_tokens']} "
-             f"tokens at each batch size, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
+             f"{meta['machine']}; torch {meta['torch']}; greedy, {meta['requests']} held-out prompts cycled to 4 "
+             f"requests per slot (at least one each), {meta['max_tokens']} tokens each, continuous batching, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
              f"{meta['rounds']} rounds, contenders interleaved. Command: `{meta['command']}`. Warm-up "
              f"{meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} graphs).", "",
              "## End to end", "",
