@@ -168,6 +168,7 @@ ENGINE_CASES = [
     Case("ids-negative", engine={"prompts": [[5], [-1, 3]]}, expect=("prompt 1", "[-1]", "outside [0,")),
     Case("engine-max-tokens-zero", engine={"prompts": [[5]], "max_tokens": 0}, expect=("max_tokens=[0]", ">= 1")),
     Case("engine-params-count", engine={"prompts": [[5], [6]], "params": 3}, expect=("3 sampling params", "2 prompts")),
+    Case("engine-max-num-seqs", engine={"prompts": [[5]], "max_num_seqs": 3}, expect=("max_num_seqs=3", "1..2")),
 ]
 
 
@@ -238,7 +239,7 @@ def test_engine_bad_input(case: Case, eager_engine) -> None:
     params = [SamplingParams()] * kw.pop("params", len(prompts))
     free = eager_engine.caches.allocator.num_free
     with pytest.raises(ValueError) as err:
-        eager_engine.generate(prompts, params, kw.pop("max_tokens", 4))
+        eager_engine.generate(prompts, params, kw.pop("max_tokens", 4), **kw)
     for needle in case.expect:
         assert needle in str(err.value), f"{needle!r} not in {str(err.value)!r}"
     assert eager_engine.caches.allocator.num_free == free, "a rejected request kept KV blocks"

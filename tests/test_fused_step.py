@@ -218,3 +218,12 @@ def test_step_time_account_adds_up_and_observer_sees_every_step(trained_dir, pro
     assert stats.graph_seconds > 0 and stats.host_seconds > 0 and stats.prefill_seconds > 0
     assert stats.graph_seconds + stats.host_seconds + stats.prefill_seconds < stats.decode_seconds
     assert 1 <= stats.batch_rebuilds < stats.num_steps  # rebuilt when the batch changes, not every step
+
+
+def test_max_num_seqs_per_call_limits_the_running_batch(trained_dir, prompts):
+    """``generate(max_num_seqs=1)``: one request runs at a time, the next joins when it finishes; same tokens."""
+    eng = _engine(trained_dir, 2, fused=True)
+    full, _, _ = eng.generate(prompts[:3], SamplingParams(), 12)
+    one, stats, _ = eng.generate(prompts[:3], SamplingParams(), 12, max_num_seqs=1)
+    assert [o.token_ids for o in one] == [o.token_ids for o in full]
+    assert stats.request_steps == stats.num_steps  # every step ran exactly one request
