@@ -2,8 +2,10 @@
 
 Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
 a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
-fused graphs on the same inert batch, K values interleaved), then followed by the steps the run replays (a moving
-average: a warm-up figure taken on a noisy machine does not rule a K out for good). K = 0 — plain decoding — wins
+fused graphs on the same inert batch, K values interleaved), then followed by the steps the run takes: a moving
+average of each step's wall time since the previous one, so what a K costs the engine beyond its graph counts too
+(speculating requests finish at different steps and join one by one, each a prefill of its own), and a warm-up
+figure taken on a noisy machine does not rule a K out for good. K = 0 — plain decoding — wins
 where drafts do not pay, so speculation never costs more than it brings.
 
 Acceptance is learned from the run. A bucket below K_max keeps it fresh by exploring: every ``EXPLORE_EVERY``
@@ -58,7 +60,7 @@ class AdaptiveK:
         return k
 
     def observe(self, bucket: int, k: int, seconds: float) -> None:
-        """A step of ``bucket`` at K = ``k`` took ``seconds`` (its graph replay): fold it into the running cost."""
+        """A step of ``bucket`` at K = ``k`` took ``seconds``: fold it into the running cost."""
         costs = self.step_seconds.get(bucket)
         if costs is not None and k in costs:
             costs[k] += COST_SMOOTHING * (seconds - costs[k])

@@ -154,6 +154,7 @@ class ModelRunner:
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
+        self._last_step_end: float | None = None
         self._pending_drafts: dict[int, list[int]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
 
@@ -363,6 +364,7 @@ class ModelRunner:
         if self.fused_applies(running):
             return self._step_fused(running, generator, stats)
         self._drafts_to_host()
+        self._last_step_end = None  # adaptive K times fused steps only
         return self._step_by_step(running, generator, stats)
 
     def forget(self, seq: Sequence) -> None:
@@ -379,6 +381,7 @@ class ModelRunner:
     def end_run(self) -> dict[int, int]:
         """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
+        self._last_step_end = None
         if not (self.cfg.adaptive_k and self.k):
             return {b: self.k for b in self.batch_sizes}
         return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
@@ -506,8 +509,6 @@ class ModelRunner:
                 self._count_end(counter, stats)
         t2 = time.perf_counter()
         stats.graph_seconds += t2 - t1
-        if self.cfg.adaptive_k and self.force_k is None:
-            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, t2 - t1)
         if self.step_observer is not None:
             self.step_observer(key, args)
             t2 = time.perf_counter()  # the observer's time is nobody's: not the host's either
@@ -524,7 +525,14 @@ class ModelRunner:
         tokens = [row[: row[-1]] for row in out_h]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
-        stats.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        end = time.perf_counter()
+        stats.host_seconds += (t1 - t0) + (end - t2)
+        if self.cfg.adaptive_k and self.force_k is None:
+            # What this K costs the engine: the wall time since the previous step, prefills and batch rebuilds
+            # included (requests that finish at different steps join one by one, each a prefill of its own).
+            since = end - self._last_step_end if self._last_step_end is not None else t2 - t1
+            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, since)
+        self._last_step_end = end
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
