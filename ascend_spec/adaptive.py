@@ -8,20 +8,21 @@ average of each step's wall time since the previous one, so what a K costs the e
 figure taken on a noisy machine does not rule a K out for good. K = 0 — plain decoding — wins
 where drafts do not pay, so speculation never costs more than it brings.
 
-Acceptance is learned from the run. A bucket below K_max keeps it fresh by exploring: every ``EXPLORE_EVERY``
-steps it runs the last two at K_max (the first drafts K_max tokens, the second verifies them).
+Acceptance is learned from the run, and so are the costs: every ``EXPLORE_EVERY`` steps a bucket runs its last two
+at another K, each K in turn (the first step drafts, the second verifies), so a K whose warm-up figure was off, or
+whose drafts were rejected once, gets measured again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: steps between explorations of K_max when a smaller K is chosen (each costs two K_max steps: at batch 16 on CPU
-#: a K_max step costs twice a plain one, so exploring every 32 steps cost ~6%)
+#: steps between explorations of another K (each costs two steps at a K that may not pay: at batch 16 on CPU a
+#: K = 3 step costs twice a plain one, so exploring every 32 steps cost ~6%)
 EXPLORE_EVERY = 64
-#: consecutive K_max steps an exploration takes: one to draft K_max tokens, one to verify them
+#: consecutive steps an exploration takes: one to draft, one to verify
 EXPLORE_STEPS = 2
 #: weight of one measured step in a bucket's running step cost
-COST_SMOOTHING = 0.1
+COST_SMOOTHING = 0.2
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -55,8 +56,11 @@ class AdaptiveK:
             return self.k_max
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         k = self.chosen[bucket] = choose_k(costs, acceptance)
-        if k < self.k_max and n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
-            return self.k_max
+        if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
+            # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
+            # turns bring acceptance figures for every position.
+            others = [j for j in sorted(costs) if j != k]
+            return others[(n // EXPLORE_EVERY) % len(others)] if others else k
         return k
 
     def observe(self, bucket: int, k: int, seconds: float) -> None:
