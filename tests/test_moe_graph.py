@@ -91,3 +91,28 @@ def test_zero_recompiles_over_1000_steps(inductor_engine):
     assert stats.num_steps >= 1000, stats.num_steps
     assert seen == {1, 2, 3, 4}
     assert stats.recompiles_after_warmup == 0
+
+
+@pytest.mark.xfail(strict=True, reason="inductor (torch 2.13, CPU) miscompiles the MTP chain's second step when the "
+                   "attention and shared-expert products are weight-left; graph.model.use_backend keeps MoE models on "
+                   "the plain product until this passes")
+def test_weight_left_moe_draft_chain_compiles_right(moe_ckpts):
+    from ascend_spec.graph.layers import Linear
+
+    model = load_model(moe_ckpts[PRESET])
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.weight_left = True
+    cfg = model.cfg
+    torch.manual_seed(0)
+    b, q = 4, 3
+    cache = torch.randn(64, 16, cfg.latent_dim) * 0.1
+    table = torch.arange(b * 4).view(b, 4) + 1
+    pos = 30 + torch.arange(q).expand(b, q).clone()
+    args = (torch.randint(1, cfg.vocab_size, (b, q)), pos, torch.randn(b, q, cfg.hidden_size),
+            torch.tensor([0, 1, 2, 1]), slots_for(pos, table), table, pos[:, -1] + 1)
+    fn = make_draft_step(model, 2, 256)
+    with torch.no_grad():
+        _, eager = fn(*args, cache.clone())
+        _, compiled = torch.compile(fn, fullgraph=True, dynamic=False)(*args, cache.clone())
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
