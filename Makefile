@@ -34,7 +34,7 @@ test: $(VENV)/.installed-test
 soak: $(VENV)/.installed-test
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m soak tests/test_soak.py
 
-# tokens/s with and without speculation, K = 0..3 and adaptive, batch 1-8: Markdown + plots into docs/bench
+# tokens/s with and without speculation (no-spec, K = 1..3, adaptive) at batch 1-16 with the step-time account: Markdown + plots into docs/bench
 bench: $(VENV)/.installed
 	$(PIP) install -q -e ".[bench]"
 	$(PY) tools/bench.py --out docs/bench
