@@ -39,6 +39,11 @@ def choose_k(step_seconds: dict[int, float], acceptance: list[float]) -> int:
     return max(sorted(step_seconds), key=lambda k: (expected_tokens_per_step(acceptance, k) / step_seconds[k], -k))
 
 
+def speedup_limit(step_seconds: dict[int, float], acceptance: list[float], k: int) -> float:
+    """The speed-up over K = 0 these step costs and this acceptance allow: tokens per step ÷ relative step cost."""
+    return expected_tokens_per_step(acceptance, k) * step_seconds[0] / step_seconds[k]
+
+
 @dataclass
 class AdaptiveK:
     """K per bucket from measured step costs and the running acceptance (``acceptance()``: a_1..a_Kmax)."""
@@ -68,8 +73,3 @@ class AdaptiveK:
         costs = self.step_seconds.get(bucket)
         if costs is not None and k in costs:
             costs[k] += COST_SMOOTHING * (seconds - costs[k])
-
-    def speedup_limit(self, bucket: int, k: int, acceptance: list[float]) -> float:
-        """The speed-up over K = 0 these costs and this acceptance allow: tokens per step ÷ relative step cost."""
-        costs = self.step_seconds[bucket]
-        return expected_tokens_per_step(acceptance, k) * costs[0] / costs[k]

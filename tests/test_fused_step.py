@@ -4,7 +4,8 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.adaptive import EXPLORE_EVERY, EXPLORE_STEPS, AdaptiveK, choose_k, expected_tokens_per_step
+from ascend_spec.adaptive import (EXPLORE_EVERY, EXPLORE_STEPS, AdaptiveK, choose_k, expected_tokens_per_step,
+                                  speedup_limit)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -101,7 +102,7 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     assert len(explored) == 4 * EXPLORE_STEPS and set(explored) == {1, 2}
     first = next(i for i, k in enumerate(ks) if k)
     assert ks[first: first + EXPLORE_STEPS] == [ks[first]] * EXPLORE_STEPS
-    assert policy.speedup_limit(1, 2, good) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
+    assert speedup_limit(policy.step_seconds[1], good, 2) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
     # measured steps move a bucket's costs: a warm-up figure that was too high does not rule K out for good
     for _ in range(100):
         policy.observe(8, 1, 1.05)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_spec.adaptive import expected_tokens_per_step
+from ascend_spec.adaptive import speedup_limit
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
 from ascend_spec.fused_step import GREEDY, PHASE_DIMS, StepKey, make_spec_phases
@@ -267,8 +267,7 @@ def main() -> None:
                    "same_tokens_as_no_spec": last.outputs == base[-1].outputs,
                    "baseline_ms_per_step": base_step, "one_token_graph_ms": one_token, "baseline_sound": sound}
             if k:  # the limit these step costs and this acceptance allow
-                graph_k = accounts[(b, k)]["graph_ms"]
-                limit = expected_tokens_per_step(last.acceptance(), k) * one_token / graph_k
+                limit = speedup_limit({0: one_token, k: accounts[(b, k)]["graph_ms"]}, last.acceptance(), k)
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
     meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
