@@ -87,10 +87,9 @@ class Tally:
         for k, n in stats.steps_per_k.items():
             self.steps_per_k[k] = self.steps_per_k.get(k, 0) + n
         if metrics is not None:
-            if not self.drafted:
-                self.drafted, self.accepted = [0] * len(metrics.drafted_per_position), [0] * len(metrics.drafted_per_position)
-            self.drafted = [a + b for a, b in zip(self.drafted, metrics.drafted_per_position)]
-            self.accepted = [a + b for a, b in zip(self.accepted, metrics.accepted_per_position)]
+            zeros = [0] * len(metrics.drafted_per_position)
+            self.drafted = [a + b for a, b in zip(self.drafted or zeros, metrics.drafted_per_position)]
+            self.accepted = [a + b for a, b in zip(self.accepted or zeros, metrics.accepted_per_position)]
         self.outputs += outputs
 
     @property
@@ -307,7 +306,8 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     plt.close(fig)
 
     ks = sorted({a["k"] for a in accounts})
-    fig, axes = plt.subplots(1, len(batches), figsize=(2.2 * len(batches) + 1, 4), sharey=False)
+    fig, axes = plt.subplots(1, len(batches), figsize=(2.2 * len(batches) + 1, 4), squeeze=False)
+    axes = axes[0]
     parts = [("verify", "verify_ms"), ("accept", "accept_ms"), ("draft chain", "draft_ms"), ("host", "host_ms"),
              ("prefill", "prefill_ms"), ("loop", "loop_ms")]
     for ax, b in zip(axes, batches):
