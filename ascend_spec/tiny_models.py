@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -126,3 +127,61 @@ def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, 
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed + 1))
     return _write_folder(out_dir, model, cfg.to_hf_dict())
+
+
+#: compressed-tensors W8A8-int8 targets: the attention projections, dense MLPs and shared experts (vLLM fuses
+#: q_a_proj + kv_a_proj_with_mqa and gate_proj + up_proj; every shard of a fused layer is quantised alike).
+W8A8_LINEAR = re.compile(r"\.(self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_b_proj|q_proj|o_proj)"
+                         r"|mlp\.(shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$")
+#: Kept float: routed experts (vLLM-CPU has no quantised MoE kernel on AVX2/AVX-512 without AMX), kv_b_proj
+#: (vLLM dequantises it anyway for the absorbed MLA matrices), and the MTP layer's eh_proj / shared head (plain
+#: nn.Linear / the target's lm_head in vLLM).
+W8A8_IGNORE = ["lm_head", r"re:.*mlp\.experts\..*", r"re:.*\.kv_b_proj$", "re:.*eh_proj$", "re:.*shared_head.*"]
+#: Largest int8 magnitude written: oneDNN's int8 GEMM without VNNI (AVX2) sums u8·s8 pairs in int16 and saturates
+#: at full range; |q| ≤ 63 keeps it exact, and the file stays a valid compressed-tensors checkpoint.
+W8A8_QMAX = 63
+
+
+def w8a8_quantization_config() -> dict:
+    """compressed-tensors ``int-quantized``: int8 per-output-channel symmetric weights, dynamic per-token int8
+    activations (vLLM's ``CompressedTensorsW8A8Int8``; oneDNN on CPUs)."""
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
+                                          "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+            "ignore": W8A8_IGNORE, "kv_cache_scheme": None}
+
+
+def w8a8_from(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """A float checkpoint rewritten as compressed-tensors W8A8-int8 (see ``W8A8_LINEAR`` / ``W8A8_IGNORE``):
+    ``<layer>.weight`` int8 ``[out, in]`` and ``<layer>.weight_scale`` fp32 ``[out, 1]``; the rest as it was.
+    Deterministic (round to nearest)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = json.loads((src / "config.json").read_text())
+    if hf.get("quantization_config"):
+        raise ValueError(f"{src}: already quantised ({hf['quantization_config'].get('quant_method')}); "
+                         "w8a8_from takes a float checkpoint")
+    weight_map: dict[str, str] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = {}
+        for name, w in load_file(shard).items():
+            if W8A8_LINEAR.search(name) and not re.search(r"mlp\.experts\.", name):
+                scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / W8A8_QMAX
+                tensors[name] = (w.float() / scale).round().clamp(-W8A8_QMAX, W8A8_QMAX).to(torch.int8)
+                tensors[name[: -len("weight")] + "weight_scale"] = scale
+            else:
+                tensors[name] = w
+        save_file(tensors, out / shard.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+    index = src / "model.safetensors.index.json"
+    if index.is_file():  # sharded: the index gains the scales
+        (out / index.name).write_text(json.dumps({**json.loads(index.read_text()), "weight_map": weight_map}))
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    hf["quantization_config"] = w8a8_quantization_config()
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

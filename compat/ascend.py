@@ -25,10 +25,10 @@ from typing import Any, Callable
 from ascend_spec.config import ConfigError
 
 from . import ascend_hook
-from .drafter import build_adapter_class
+from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .manifest import covers
 from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
-from .shims import Missing, call_with_supported, raise_if_missing
+from .shims import Missing, call_with_supported, moe_forward_context, raise_if_missing
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
 
@@ -223,66 +223,72 @@ def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: 
     return passed
 
 
+class AscendSpecNpuMixin(AscendSpecMtpMixin):
+    """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
+    block_size)``; ``dummy_run`` and the 4-tuple ``prepare_inputs_padded`` stay vllm-ascend's (they prepare
+    its graphs and metadata, which fallbacks use)."""
+
+    def _probe_api(self) -> list[Missing]:
+        return probe_ascend_proposer_api(self.vllm_base)
+
+    def initialize_attn_backend(self, kv_cache_config: Any, block_size: Any = None, *args: Any,
+                                **kwargs: Any) -> None:
+        if isinstance(block_size, int):
+            self._ascend_block_size = block_size
+        extra = () if block_size is None else (block_size,)
+        super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
+
+    def _propose(self, *, target_token_ids: Any = None, target_positions: Any = None,
+                 target_hidden_states: Any = None, next_token_ids: Any = None,
+                 token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
+                 target_model_batch_desc: Any = None, sampling_metadata: Any = None,
+                 mm_embed_inputs: Any = None, req_scheduled_tokens: Any = None, long_seq_metadata: Any = None,
+                 num_prefill_reqs: int = 0, num_decode_reqs: int = 0, scheduler_output: Any = None,
+                 num_scheduled_tokens: int = 0, num_rejected_tokens_gpu: Any = None,
+                 num_speculative_tokens: int | None = None, **kwargs: Any) -> Any:
+        passed = dict(target_token_ids=target_token_ids, target_positions=target_positions,
+                      target_hidden_states=target_hidden_states, next_token_ids=next_token_ids,
+                      token_indices_to_sample=token_indices_to_sample,
+                      common_attn_metadata=common_attn_metadata, target_model_batch_desc=target_model_batch_desc,
+                      sampling_metadata=sampling_metadata, mm_embed_inputs=mm_embed_inputs,
+                      req_scheduled_tokens=req_scheduled_tokens, long_seq_metadata=long_seq_metadata,
+                      num_prefill_reqs=num_prefill_reqs, num_decode_reqs=num_decode_reqs,
+                      scheduler_output=scheduler_output, num_scheduled_tokens=num_scheduled_tokens,
+                      num_rejected_tokens_gpu=num_rejected_tokens_gpu, **kwargs)
+        k = propose_k(num_speculative_tokens, self.num_speculative_tokens)
+        theirs = super()._propose
+        passed = their_propose_kwargs(theirs, passed, k)
+        return self._draft_or_delegate(
+            k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
+            common_attn_metadata, sampling_metadata,
+            self._ascend_only_reason(mm_embed_inputs, long_seq_metadata, num_prefill_reqs, num_decode_reqs),
+            lambda: call_with_supported(theirs, **passed))
+
+    @staticmethod
+    def _ascend_only_reason(mm_embed_inputs: Any, long_seq_metadata: Any, num_prefill_reqs: int,
+                            num_decode_reqs: int) -> str | None:
+        if mm_embed_inputs is not None:
+            return "multimodal"
+        if long_seq_metadata is not None or num_prefill_reqs or num_decode_reqs:
+            return "context_parallel"  # pcp/dcp split the tokens across ranks: vllm-ascend's path
+        return None
+
+    def _draft_context(self, f: Any, k: int) -> Any:
+        return forward_context(self._ascend_context_fn(), self.vllm_config, f.num_reqs * (1 + k))
+
+    def _moe_context(self) -> Any:
+        # Outside a draft (warm-up, dummy runs) vllm-ascend's MoE still needs vllm-ascend's context.
+        set_ctx = self._ascend_context_fn()
+        return moe_forward_context(self.vllm_config, lambda n: forward_context(set_ctx, self.vllm_config, n))
+
+    @staticmethod
+    def _ascend_context_fn() -> Callable[..., Any]:
+        return getattr(importlib.import_module(FORWARD_CONTEXT_MODULE), FORWARD_CONTEXT)
+
+
 def build_ascend_adapter_class(base: type) -> type:
     """Subclass vllm-ascend's ``AscendEagleProposer`` (``base``) into the adapter the NPU runner drives."""
-    Adapter = build_adapter_class(base)
-
-    class AscendSpecNpuMtpProposer(Adapter):  # type: ignore[misc, valid-type]
-        """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
-        block_size)``; ``dummy_run`` and the 4-tuple ``prepare_inputs_padded`` stay vllm-ascend's (they prepare
-        its graphs and metadata, which fallbacks use)."""
-
-        def _probe_api(self) -> list[Missing]:
-            return probe_ascend_proposer_api(base)
-
-        def initialize_attn_backend(self, kv_cache_config: Any, block_size: Any = None, *args: Any,
-                                    **kwargs: Any) -> None:
-            if isinstance(block_size, int):
-                self._ascend_block_size = block_size
-            extra = () if block_size is None else (block_size,)
-            super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
-
-        def _propose(self, *, target_token_ids: Any = None, target_positions: Any = None,
-                     target_hidden_states: Any = None, next_token_ids: Any = None,
-                     token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
-                     target_model_batch_desc: Any = None, sampling_metadata: Any = None,
-                     mm_embed_inputs: Any = None, req_scheduled_tokens: Any = None, long_seq_metadata: Any = None,
-                     num_prefill_reqs: int = 0, num_decode_reqs: int = 0, scheduler_output: Any = None,
-                     num_scheduled_tokens: int = 0, num_rejected_tokens_gpu: Any = None,
-                     num_speculative_tokens: int | None = None, **kwargs: Any) -> Any:
-            passed = dict(target_token_ids=target_token_ids, target_positions=target_positions,
-                          target_hidden_states=target_hidden_states, next_token_ids=next_token_ids,
-                          token_indices_to_sample=token_indices_to_sample,
-                          common_attn_metadata=common_attn_metadata, target_model_batch_desc=target_model_batch_desc,
-                          sampling_metadata=sampling_metadata, mm_embed_inputs=mm_embed_inputs,
-                          req_scheduled_tokens=req_scheduled_tokens, long_seq_metadata=long_seq_metadata,
-                          num_prefill_reqs=num_prefill_reqs, num_decode_reqs=num_decode_reqs,
-                          scheduler_output=scheduler_output, num_scheduled_tokens=num_scheduled_tokens,
-                          num_rejected_tokens_gpu=num_rejected_tokens_gpu, **kwargs)
-            k = propose_k(num_speculative_tokens, self.num_speculative_tokens)
-            theirs = super()._propose
-            passed = their_propose_kwargs(theirs, passed, k)
-            return self._draft_or_delegate(
-                k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
-                common_attn_metadata, sampling_metadata,
-                self._ascend_only_reason(mm_embed_inputs, long_seq_metadata, num_prefill_reqs, num_decode_reqs),
-                lambda: call_with_supported(theirs, **passed))
-
-        @staticmethod
-        def _ascend_only_reason(mm_embed_inputs: Any, long_seq_metadata: Any, num_prefill_reqs: int,
-                                num_decode_reqs: int) -> str | None:
-            if mm_embed_inputs is not None:
-                return "multimodal"
-            if long_seq_metadata is not None or num_prefill_reqs or num_decode_reqs:
-                return "context_parallel"  # pcp/dcp split the tokens across ranks: vllm-ascend's path
-            return None
-
-        def _draft_context(self, f: Any, k: int) -> Any:
-            ctx = getattr(importlib.import_module(FORWARD_CONTEXT_MODULE), FORWARD_CONTEXT)
-            return forward_context(ctx, self.vllm_config, f.num_reqs * (1 + k))
-
-    AscendSpecNpuMtpProposer.__qualname__ = AscendSpecNpuMtpProposer.__name__
-    return AscendSpecNpuMtpProposer
+    return build_adapter_class(base, AscendSpecNpuMixin, "AscendSpecNpuMtpProposer")
 
 
 @covers("ascend_forward_context_params")

@@ -55,6 +55,7 @@ from .shims import (
     detected_drift,
     discard_mask,
     host_seq_lens_upper_bound,
+    moe_forward_context,
     probe_proposer_api,
     probe_runner,
     raise_if_missing,
@@ -130,292 +131,303 @@ class StatsFile:
         tmp.replace(self.path)  # readers never see half a file
 
 
-def build_adapter_class(base: type) -> type:
-    """Subclass vLLM's drafter class ``base`` (``EagleProposer``) into the adapter."""
+class AscendSpecMtpMixin:
+    """The adapter's methods; :func:`build_adapter_class` puts them in front of vLLM's drafter class, which is
+    known only at run time (its module moved between releases)."""
 
-    class AscendSpecMtpProposer(base):  # type: ignore[misc, valid-type]
-        __ascend_spec_adapter__ = True
+    #: vLLM's drafter class this adapter subclasses (set by :func:`build_adapter_class`)
+    vllm_base: type = object
+    __ascend_spec_adapter__ = True
 
-        def __init__(self, vllm_config: Any, device: Any, runner: Any = None, *args: Any, **kwargs: Any) -> None:
-            super().__init__(vllm_config, device, runner, *args, **kwargs)
-            bind_runner(self, runner)
-            self.ascend_settings = PluginSettings.from_additional_config(vllm_config.additional_config)
-            method = vllm_config.speculative_config.method
-            self.ascend_enabled = self.ascend_settings.enabled and method in METHODS
-            if self.ascend_settings.enabled and not self.ascend_enabled:
-                logger.warning("ascend_spec drafter enabled, but speculative method %r is not one of %s: "
-                               "vLLM's drafter is used", method, METHODS)
-            self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm")
-            self._ascend_model = None
-            self._ascend: MtpTorchairProposer | None = None
-            self._ascend_layer = ""
-            self._ascend_cache_bound = False
-            self._ascend_prev_host_ptr = None
-            self._ascend_stats_file: StatsFile | None = None
-            self._ascend_tp = 1
-            if self.ascend_enabled:
-                raise_if_missing(self._probe_api(), "drafter interface")
-            LIVE.append(weakref.ref(self))
+    def __init__(self, vllm_config: Any, device: Any, runner: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, device, runner, *args, **kwargs)
+        bind_runner(self, runner)
+        self.ascend_settings = PluginSettings.from_additional_config(vllm_config.additional_config)
+        method = vllm_config.speculative_config.method
+        self.ascend_enabled = self.ascend_settings.enabled and method in METHODS
+        if self.ascend_settings.enabled and not self.ascend_enabled:
+            logger.warning("ascend_spec drafter enabled, but speculative method %r is not one of %s: "
+                           "vLLM's drafter is used", method, METHODS)
+        self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm")
+        self._ascend_model = None
+        self._ascend: MtpTorchairProposer | None = None
+        self._ascend_layer = ""
+        self._ascend_cache_bound = False
+        self._ascend_prev_host_ptr = None
+        self._ascend_stats_file: StatsFile | None = None
+        self._ascend_tp = 1
+        if self.ascend_enabled:
+            raise_if_missing(self._probe_api(), "drafter interface")
+        LIVE.append(weakref.ref(self))
 
-        def _probe_api(self) -> list:
-            return probe_proposer_api(base)
+    def _probe_api(self) -> list:
+        return probe_proposer_api(self.vllm_base)
 
-        # -- lifecycle -------------------------------------------------------------------------
-        def load_model(self, target_model: Any, *args: Any, **kwargs: Any) -> None:
-            # vLLM's own load first: it registers the draft attention layer, so vLLM allocates its KV cache.
-            call_with_supported(super().load_model, target_model, *args, **kwargs)
-            from vllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
-                                          tensor_model_parallel_all_reduce)
+    # -- lifecycle -------------------------------------------------------------------------
+    def load_model(self, target_model: Any, *args: Any, **kwargs: Any) -> None:
+        # vLLM's own load first: it registers the draft attention layer, so vLLM allocates its KV cache.
+        call_with_supported(super().load_model, target_model, *args, **kwargs)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-            self._ascend_tp = get_tensor_model_parallel_world_size()
-            self.ascend_stats.rank = get_tensor_model_parallel_rank()
-            if self.ascend_settings.stats_dir:  # also with vLLM's drafter (enabled: false), to compare the two
-                self._ascend_stats_file = StatsFile(self.ascend_settings.stats_dir, self.ascend_stats)
-            if not self.ascend_enabled:
-                return
-            raise_if_missing(probe_runner(self.runner), "model runner state")
-            logger.info("ascend_spec: vLLM API shapes in use: %s", detected_drift(self.runner))
-            # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
-            # shares): no checkpoint file is read, no weight is copied.
-            self._ascend_model = mtp_model_on_vllm(self.model, config_from_vllm(self.vllm_config), self._ascend_tp,
-                                                   tensor_model_parallel_all_reduce, self.device)
-            self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
+        self._ascend_tp = get_tensor_model_parallel_world_size()
+        self.ascend_stats.rank = get_tensor_model_parallel_rank()
+        if self.ascend_settings.stats_dir:  # also with vLLM's drafter (enabled: false), to compare the two
+            self._ascend_stats_file = StatsFile(self.ascend_settings.stats_dir, self.ascend_stats)
+        if not self.ascend_enabled:
+            return
+        raise_if_missing(probe_runner(self.runner), "model runner state")
+        logger.info("ascend_spec: vLLM API shapes in use: %s", detected_drift(self.runner))
+        # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
+        # shares): no checkpoint file is read, no weight is copied, weight-holding layers run vLLM's forward.
+        cfg = config_from_vllm(self.vllm_config)
+        moe_context = self._moe_context() if cfg.moe is not None else None
+        self._ascend_model = mtp_model_on_vllm(self.model, cfg, self._ascend_tp, self.device, moe_context,
+                                               opaque_moe=self.device.type != "npu")
+        self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
 
-        def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-            call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)
-            if not self.ascend_enabled:
-                return
-            names = draft_layer_names(self)
-            if len(names) != 1:
-                raise CompatError(f"ascend_spec drafter expects one draft attention layer, vLLM built {names}")
-            self._ascend_layer = names[0]
-            cfg = self._ascend_model.cfg
-            # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
-            # cache as an input, so the real one replaces it without a recompile).
-            stand_in = torch.empty(kv_cache_config.num_blocks, draft_block_size(self), cfg.latent_dim,
-                                   dtype=self.vllm_config.model_config.dtype, device=self.device)
-            self._build_ascend(stand_in)
+    def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)
+        if not self.ascend_enabled:
+            return
+        names = draft_layer_names(self)
+        if len(names) != 1:
+            raise CompatError(f"ascend_spec drafter expects one draft attention layer, vLLM built {names}")
+        self._ascend_layer = names[0]
+        cfg = self._ascend_model.cfg
+        # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
+        # cache as an input, so the real one replaces it without a recompile).
+        stand_in = torch.empty(kv_cache_config.num_blocks, draft_block_size(self), cfg.latent_dim,
+                               dtype=self.vllm_config.model_config.dtype, device=self.device)
+        self._build_ascend(stand_in)
 
-        def _build_ascend(self, cache: torch.Tensor) -> None:
-            s = self.ascend_settings
-            g = s.graph
-            backend = get_backend(g.effective_backend, self.device, mode=g.mode,
-                                  frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
-                                  tiling_schedule_optimize=g.tiling_schedule_optimize,
-                                  use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1)
-            k = self.num_speculative_tokens
-            sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
-            spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
-            self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
-                                               backend=backend, batch_sizes=sizes)
-            self._ascend_cache_bound = False
-            self.ascend_stats.buckets = list(sizes)
-            self.ascend_stats.backend = backend.name
-            st = self.ascend_stats
-            # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's own
-            # lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their __del__
-            # (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it fails
-            # ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free them now,
-            # before any tracing (warm-up, or the first draft without it).
-            gc.collect()
-            if s.warmup:
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    self._ascend.warmup(progress=False)
-                st.warmup_seconds = time.perf_counter() - t0
-            logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
-                        "weights shared with vLLM (drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
-                        backend.name, sizes, 1 + k, st.warmup_seconds, st.weights_owned_bytes / 2**20)
-            if self._ascend_stats_file is not None:
-                self._ascend_stats_file.write()
-
-        def _bind_cache(self) -> None:
-            cfg = self._ascend_model.cfg
-            cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, draft_block_size(self))
-            if cache.shape != self._ascend.draft_cache.shape:
-                logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
-                               tuple(cache.shape), tuple(self._ascend.draft_cache.shape))
-            self._ascend.draft_cache = cache
-            self._ascend_cache_bound = True
-
-        # -- bookkeeping -----------------------------------------------------------------------
-        def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
-                                          gpu_input_batch: Any, discard_request_mask: Any = None,
-                                          *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.ascend_enabled:
-                return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
-                                                             discard_request_mask, *args, **kwargs)
-            num_reqs = sampled_token_ids.shape[0]
-            num_discarded = args[0] if args else kwargs.get("num_discarded_requests")
-            if discard_request_mask is None:  # vllm-ascend's name for the index buffer
-                discard_request_mask = kwargs.get("discard_request_indices")
-            mask = discard_mask(discard_request_mask, num_reqs, num_discarded, device=sampled_token_ids.device)
-            backup = backup_next_token_ids(requests, gpu_input_batch, num_reqs).to(sampled_token_ids.device)
-            if self.ascend_settings.collect_stats:
-                self._record_optimistic(requests, gpu_input_batch, num_reqs)
-            next_ids, count = spec_decode.prepare_next_token_ids_padded(
-                sampled_token_ids, mask, backup, self._ascend_model.cfg.vocab_size)
-            return next_ids.to(torch.int32), count
-
-        def _record_optimistic(self, requests: Any, input_batch: Any, num_reqs: int) -> None:
-            upper = host_seq_lens_upper_bound(self.runner, num_reqs)
-            for i in range(num_reqs):
-                if requests[input_batch.req_ids[i]].get_token_id(int(upper[i]) - 1) == -1:
-                    self.ascend_stats.reqs_placeholder_at_optimistic += 1
-
-        # -- drafting --------------------------------------------------------------------------
-        def propose(self, num_speculative_tokens: int | None = None, target_token_ids: Any = None,
-                    target_positions: Any = None, target_hidden_states: Any = None, next_token_ids: Any = None,
-                    token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
-                    sampling_metadata: Any = None, **kwargs: Any) -> torch.Tensor:
-            k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
-            theirs = super().propose
-            # Forward what the runner passed, unchanged: runner and base class come from the same release.
-            return self._draft_or_delegate(
-                k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
-                common_attn_metadata, sampling_metadata, None,
-                lambda: theirs(num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
-                               target_positions=target_positions, target_hidden_states=target_hidden_states,
-                               next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
-                               common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
-                               **kwargs))
-
-        def _draft_or_delegate(self, k: int, target_token_ids: Any, target_positions: Any,
-                               target_hidden_states: Any, next_token_ids: Any, token_indices_to_sample: Any,
-                               common_attn_metadata: Any, sampling_metadata: Any, extra_reason: str | None,
-                               delegate: Any) -> torch.Tensor:
-            """Draft with ours, or call ``delegate()`` (the base class's own drafting) and count why."""
+    def _build_ascend(self, cache: torch.Tensor) -> None:
+        s = self.ascend_settings
+        g = s.graph
+        backend = get_backend(g.effective_backend, self.device, mode=g.mode,
+                              frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
+                              tiling_schedule_optimize=g.tiling_schedule_optimize,
+                              use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1)
+        k = self.num_speculative_tokens
+        sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
+        spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
+        self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
+                                           backend=backend, batch_sizes=sizes)
+        self._ascend_cache_bound = False
+        self.ascend_stats.buckets = list(sizes)
+        self.ascend_stats.backend = backend.name
+        st = self.ascend_stats
+        # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's own
+        # lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their __del__
+        # (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it fails
+        # ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free them now,
+        # before any tracing (warm-up, or the first draft without it).
+        gc.collect()
+        if s.warmup:
             t0 = time.perf_counter()
-            f = attn_fields(common_attn_metadata)
-            decode = f.max_query_len == 1 + k and f.num_actual_tokens == f.num_reqs * (1 + k)
-            reason = self._fallback_reason(k, target_positions, sampling_metadata)
-            if reason is None:
-                reason = extra_reason
-            if reason is None:
-                with self._draft_context(f, k):
-                    out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
-                                               next_token_ids, token_indices_to_sample, f, decode)
-            else:
-                if self.ascend_enabled:
-                    st = self.ascend_stats
-                    st.fallback_calls += 1
-                    st.fallbacks_by_reason[reason] = st.fallbacks_by_reason.get(reason, 0) + 1
-                out = delegate()
-            dt = time.perf_counter() - t0
-            st = self.ascend_stats
-            st.propose_calls += 1
-            st.propose_seconds += dt
-            if decode:
-                st.decode_calls += 1
-                st.decode_seconds += dt
-            if self._ascend_stats_file is not None:
-                self._ascend_stats_file.maybe_write()
-            return out
-
-        def _draft_context(self, f: Any, k: int) -> Any:
-            """Context our draft runs in (vllm-ascend: its forward context; vLLM: none needed)."""
-            return contextlib.nullcontext()
-
-        def _fallback_reason(self, k: int, target_positions: Any, sampling_metadata: Any) -> str | None:
-            """Why vLLM's own propose must run this call, or None when ours drafts it."""
-            if not self.ascend_enabled:
-                return "disabled"
-            if self._ascend is None:
-                return "not_built"
-            if k != self._ascend.num_speculative_tokens:
-                return "dynamic_k"
-            if target_positions is not None and target_positions.dim() != 1:
-                return "mrope"
-            probabilistic = getattr(self.speculative_config, "draft_sample_method", "greedy") != "greedy"
-            if probabilistic and sampling_metadata is not None and not sampling_metadata.all_greedy:
-                return "probabilistic_draft"
-            return None
-
-        def _propose_ascend(self, k: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
-                            target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
-                            token_indices_to_sample: torch.Tensor | None, f: Any, decode: bool) -> torch.Tensor:
-            if not self._ascend_cache_bound:
-                self._bind_cache()
-            b, q = f.num_reqs, 1 + k
-            dev = target_hidden_states.device
-            qsl = f.query_start_loc[: b + 1].long()
-            tis = (qsl[1:] - 1) if token_indices_to_sample is None else token_indices_to_sample[:b].long()
-            if self.ascend_settings.collect_stats:
-                self._record_host_buffer(b, f)
-                self.ascend_stats.rows_sampled_outside += int((tis < qsl[:-1]).sum())
-            if decode:
-                # Every request verifies 1 + K tokens: the flat batch is already [B, Q]; reshape, no host reads.
-                n = b * q
-                ids = target_token_ids[:n].view(b, q).long()
-                pos = target_positions[:n].view(b, q).long()
-                hidden = target_hidden_states[:n].view(b, q, -1)
-                slots = f.slot_mapping[:n].view(b, q).long()
-                sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
-                if self._ascend.graph.bucket_for(b) is None:
-                    self._note_eager_decode(b)
-                else:
-                    self.ascend_stats.graph_calls += 1
-            else:
-                # Prefill or mixed: repack ragged -> [B, Qmax] with inert padding (slot -1, token 0).
-                qsl_cpu = f.query_start_loc_cpu[: b + 1].long()
-                lens = qsl_cpu[1:] - qsl_cpu[:-1]
-                qmax = int(lens.max())
-                j = torch.arange(qmax)
-                valid_cpu = j.view(1, -1) < lens.view(-1, 1)
-                gather = torch.where(valid_cpu, qsl_cpu[:-1].view(-1, 1) + j.view(1, -1), 0).to(dev)
-                valid = valid_cpu.to(dev)
-                ids = torch.where(valid, target_token_ids[gather].long(), 0)
-                pos = torch.where(valid, target_positions[gather].long(), 0)
-                hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
-                slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
-                sample_idx = (tis - qsl[:-1]).clamp(0, qmax - 1)
-                if qmax == q:
-                    self.ascend_stats.graph_calls += 1
-                else:
-                    self.ascend_stats.eager_calls += 1
-            block = self._ascend.draft_cache.shape[1]
-            full = (self.max_model_len + block - 1) // block
-            # Context is data: on backends that compile a dynamic width the table covers the live blocks only
-            # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
-            width = live_blocks(f.max_seq_len + k, full) if self._ascend.backend.shapes.trim_context else full
-            inputs = DraftInputs(
-                target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
-                next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
-                block_table=_fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long())
             with torch.inference_mode():
-                draft = self._ascend.propose(inputs)
-            self.ascend_stats.graph_failures = self._ascend.graph.num_failures
-            if self.ascend_settings.collect_stats:
-                self._check_host_buffer_after(b)
-            return draft
+                self._ascend.warmup(progress=False)
+            st.warmup_seconds = time.perf_counter() - t0
+        logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
+                    "weights shared with vLLM (drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
+                    backend.name, sizes, 1 + k, st.warmup_seconds, st.weights_owned_bytes / 2**20)
+        if self._ascend_stats_file is not None:
+            self._ascend_stats_file.write()
 
-        def _note_eager_decode(self, b: int) -> None:
-            st = self.ascend_stats
-            st.decode_eager_calls += 1
-            st.eager_calls += 1
-            if st.decode_eager_calls == 1:
-                logger.warning("ascend_spec drafter rank %d: steady-state decode batch of %d requests is above the "
-                               "largest graph bucket %d and runs eagerly; add it to "
-                               "torchair_graph_config.graph_batch_sizes", st.rank, b, self._ascend.graph.max_size)
+    def _bind_cache(self) -> None:
+        cfg = self._ascend_model.cfg
+        cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, draft_block_size(self))
+        if cache.shape != self._ascend.draft_cache.shape:
+            logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
+                           tuple(cache.shape), tuple(self._ascend.draft_cache.shape))
+        self._ascend.draft_cache = cache
+        self._ascend_cache_bound = True
 
-        def _record_host_buffer(self, b: int, f: Any) -> None:
-            buf = getattr(self.runner, "optimistic_seq_lens_cpu", None)
-            upper = host_seq_lens_upper_bound(self.runner, b)
-            if bool((upper > f.seq_lens[:b].to(upper.device, upper.dtype)).any()):
-                self.ascend_stats.steps_optimistic_ahead += 1
-            if buf is not None:
-                ptr = buf.data_ptr()
-                if ptr == self._ascend_prev_host_ptr:
-                    self.ascend_stats.host_buffer_reused += 1
-                self._ascend_prev_host_ptr = ptr
-            self._host_snapshot = upper
+    # -- bookkeeping -----------------------------------------------------------------------
+    def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
+                                      gpu_input_batch: Any, discard_request_mask: Any = None,
+                                      *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.ascend_enabled:
+            return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+                                                         discard_request_mask, *args, **kwargs)
+        num_reqs = sampled_token_ids.shape[0]
+        num_discarded = args[0] if args else kwargs.get("num_discarded_requests")
+        if discard_request_mask is None:  # vllm-ascend's name for the index buffer
+            discard_request_mask = kwargs.get("discard_request_indices")
+        mask = discard_mask(discard_request_mask, num_reqs, num_discarded, device=sampled_token_ids.device)
+        backup = backup_next_token_ids(requests, gpu_input_batch, num_reqs).to(sampled_token_ids.device)
+        if self.ascend_settings.collect_stats:
+            self._record_optimistic(requests, gpu_input_batch, num_reqs)
+        next_ids, count = spec_decode.prepare_next_token_ids_padded(
+            sampled_token_ids, mask, backup, self._ascend_model.cfg.vocab_size)
+        return next_ids.to(torch.int32), count
 
-        def _check_host_buffer_after(self, b: int) -> None:
-            if not torch.equal(host_seq_lens_upper_bound(self.runner, b), self._host_snapshot):
-                self.ascend_stats.host_buffer_mutated += 1
+    def _record_optimistic(self, requests: Any, input_batch: Any, num_reqs: int) -> None:
+        upper = host_seq_lens_upper_bound(self.runner, num_reqs)
+        for i in range(num_reqs):
+            if requests[input_batch.req_ids[i]].get_token_id(int(upper[i]) - 1) == -1:
+                self.ascend_stats.reqs_placeholder_at_optimistic += 1
 
-    AscendSpecMtpProposer.__qualname__ = AscendSpecMtpProposer.__name__
-    return AscendSpecMtpProposer
+    # -- drafting --------------------------------------------------------------------------
+    def propose(self, num_speculative_tokens: int | None = None, target_token_ids: Any = None,
+                target_positions: Any = None, target_hidden_states: Any = None, next_token_ids: Any = None,
+                token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
+                sampling_metadata: Any = None, **kwargs: Any) -> torch.Tensor:
+        k = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        theirs = super().propose
+        # Forward what the runner passed, unchanged: runner and base class come from the same release.
+        return self._draft_or_delegate(
+            k, target_token_ids, target_positions, target_hidden_states, next_token_ids, token_indices_to_sample,
+            common_attn_metadata, sampling_metadata, None,
+            lambda: theirs(num_speculative_tokens=num_speculative_tokens, target_token_ids=target_token_ids,
+                           target_positions=target_positions, target_hidden_states=target_hidden_states,
+                           next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
+                           common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
+                           **kwargs))
+
+    def _draft_or_delegate(self, k: int, target_token_ids: Any, target_positions: Any,
+                           target_hidden_states: Any, next_token_ids: Any, token_indices_to_sample: Any,
+                           common_attn_metadata: Any, sampling_metadata: Any, extra_reason: str | None,
+                           delegate: Any) -> torch.Tensor:
+        """Draft with ours, or call ``delegate()`` (the base class's own drafting) and count why."""
+        t0 = time.perf_counter()
+        f = attn_fields(common_attn_metadata)
+        decode = f.max_query_len == 1 + k and f.num_actual_tokens == f.num_reqs * (1 + k)
+        reason = self._fallback_reason(k, target_positions, sampling_metadata)
+        if reason is None:
+            reason = extra_reason
+        if reason is None:
+            with self._draft_context(f, k):
+                out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
+                                           next_token_ids, token_indices_to_sample, f, decode)
+        else:
+            if self.ascend_enabled:
+                st = self.ascend_stats
+                st.fallback_calls += 1
+                st.fallbacks_by_reason[reason] = st.fallbacks_by_reason.get(reason, 0) + 1
+            out = delegate()
+        dt = time.perf_counter() - t0
+        st = self.ascend_stats
+        st.propose_calls += 1
+        st.propose_seconds += dt
+        if decode:
+            st.decode_calls += 1
+            st.decode_seconds += dt
+        if self._ascend_stats_file is not None:
+            self._ascend_stats_file.maybe_write()
+        return out
+
+    def _moe_context(self) -> Any:
+        """``context(num_tokens)`` around each call into vLLM's MoE (vllm-ascend: its own context)."""
+        return moe_forward_context(self.vllm_config)
+
+    def _draft_context(self, f: Any, k: int) -> Any:
+        """Context our draft runs in (vllm-ascend: its forward context; vLLM: none needed)."""
+        return contextlib.nullcontext()
+
+    def _fallback_reason(self, k: int, target_positions: Any, sampling_metadata: Any) -> str | None:
+        """Why vLLM's own propose must run this call, or None when ours drafts it."""
+        if not self.ascend_enabled:
+            return "disabled"
+        if self._ascend is None:
+            return "not_built"
+        if k != self._ascend.num_speculative_tokens:
+            return "dynamic_k"
+        if target_positions is not None and target_positions.dim() != 1:
+            return "mrope"
+        probabilistic = getattr(self.speculative_config, "draft_sample_method", "greedy") != "greedy"
+        if probabilistic and sampling_metadata is not None and not sampling_metadata.all_greedy:
+            return "probabilistic_draft"
+        return None
+
+    def _propose_ascend(self, k: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                        target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                        token_indices_to_sample: torch.Tensor | None, f: Any, decode: bool) -> torch.Tensor:
+        if not self._ascend_cache_bound:
+            self._bind_cache()
+        b, q = f.num_reqs, 1 + k
+        dev = target_hidden_states.device
+        qsl = f.query_start_loc[: b + 1].long()
+        tis = (qsl[1:] - 1) if token_indices_to_sample is None else token_indices_to_sample[:b].long()
+        if self.ascend_settings.collect_stats:
+            self._record_host_buffer(b, f)
+            self.ascend_stats.rows_sampled_outside += int((tis < qsl[:-1]).sum())
+        if decode:
+            # Every request verifies 1 + K tokens: the flat batch is already [B, Q]; reshape, no host reads.
+            n = b * q
+            ids = target_token_ids[:n].view(b, q).long()
+            pos = target_positions[:n].view(b, q).long()
+            hidden = target_hidden_states[:n].view(b, q, -1)
+            slots = f.slot_mapping[:n].view(b, q).long()
+            sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
+            if self._ascend.graph.bucket_for(b) is None:
+                self._note_eager_decode(b)
+            else:
+                self.ascend_stats.graph_calls += 1
+        else:
+            # Prefill or mixed: repack ragged -> [B, Qmax] with inert padding (slot -1, token 0).
+            qsl_cpu = f.query_start_loc_cpu[: b + 1].long()
+            lens = qsl_cpu[1:] - qsl_cpu[:-1]
+            qmax = int(lens.max())
+            j = torch.arange(qmax)
+            valid_cpu = j.view(1, -1) < lens.view(-1, 1)
+            gather = torch.where(valid_cpu, qsl_cpu[:-1].view(-1, 1) + j.view(1, -1), 0).to(dev)
+            valid = valid_cpu.to(dev)
+            ids = torch.where(valid, target_token_ids[gather].long(), 0)
+            pos = torch.where(valid, target_positions[gather].long(), 0)
+            hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
+            slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
+            sample_idx = (tis - qsl[:-1]).clamp(0, qmax - 1)
+            if qmax == q:
+                self.ascend_stats.graph_calls += 1
+            else:
+                self.ascend_stats.eager_calls += 1
+        block = self._ascend.draft_cache.shape[1]
+        full = (self.max_model_len + block - 1) // block
+        # Context is data: on backends that compile a dynamic width the table covers the live blocks only
+        # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
+        width = live_blocks(f.max_seq_len + k, full) if self._ascend.backend.shapes.trim_context else full
+        inputs = DraftInputs(
+            target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
+            next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
+            block_table=_fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long())
+        with torch.inference_mode():
+            draft = self._ascend.propose(inputs)
+        self.ascend_stats.graph_failures = self._ascend.graph.num_failures
+        if self.ascend_settings.collect_stats:
+            self._check_host_buffer_after(b)
+        return draft
+
+    def _note_eager_decode(self, b: int) -> None:
+        st = self.ascend_stats
+        st.decode_eager_calls += 1
+        st.eager_calls += 1
+        if st.decode_eager_calls == 1:
+            logger.warning("ascend_spec drafter rank %d: steady-state decode batch of %d requests is above the "
+                           "largest graph bucket %d and runs eagerly; add it to "
+                           "torchair_graph_config.graph_batch_sizes", st.rank, b, self._ascend.graph.max_size)
+
+    def _record_host_buffer(self, b: int, f: Any) -> None:
+        buf = getattr(self.runner, "optimistic_seq_lens_cpu", None)
+        upper = host_seq_lens_upper_bound(self.runner, b)
+        if bool((upper > f.seq_lens[:b].to(upper.device, upper.dtype)).any()):
+            self.ascend_stats.steps_optimistic_ahead += 1
+        if buf is not None:
+            ptr = buf.data_ptr()
+            if ptr == self._ascend_prev_host_ptr:
+                self.ascend_stats.host_buffer_reused += 1
+            self._ascend_prev_host_ptr = ptr
+        self._host_snapshot = upper
+
+    def _check_host_buffer_after(self, b: int) -> None:
+        if not torch.equal(host_seq_lens_upper_bound(self.runner, b), self._host_snapshot):
+            self.ascend_stats.host_buffer_mutated += 1
+
+
+def build_adapter_class(base: type, mixin: type = AscendSpecMtpMixin,
+                        name: str = "AscendSpecMtpProposer") -> type:
+    """``name(mixin, base)``: the adapter as a subclass of vLLM's drafter class ``base`` (``EagleProposer``), which
+    vLLM's runner checks with ``isinstance``."""
+    return type(name, (mixin, base), {"vllm_base": base, "__module__": mixin.__module__})
 
 
 def live_stats() -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Our draft chain on the weights vLLM already loaded: no second copy, any tensor-parallel size.
+"""Our draft chain on the weights vLLM already loaded: no second copy, any tensor-parallel size, any quant method.
 
 vLLM builds the MTP layer as ``DeepSeekMTP`` → ``DeepSeekMultiTokenPredictor`` (layers keyed by
 ``str(num_hidden_layers + i)``) and shares the target's embedding and lm_head with it. :func:`mtp_model_on_vllm`
@@ -6,22 +6,23 @@ builds our :class:`~ascend_spec.graph.model.DeepseekV3ForCausalLM` on the meta d
 MTP path with vLLM's objects:
 
 * tensors we can view are used in place: RMSNorm scales, ``eh_proj`` (a plain ``nn.Linear``), the absorbed MLA
-  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``), FusedMoE's stacked ``w13_weight`` /
-  ``w2_weight`` and the router's ``e_score_correction_bias``, the rotary ``cos_sin_cache``;
-* layers we cannot view (vLLM-CPU prepacks linear weights into oneDNN handles; quantised or tensor-parallel
-  layers) run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`): the q/kv
-  projections (``fused_qkv_a_proj`` as one call), ``o_proj`` (row-parallel: all-reduce inside), the router
-  GEMM, the shared experts, a dense MLP, the vocab-parallel embedding, and the lm_head through vLLM's
-  ``LogitsProcessor`` (all-gathered logits on every rank).
+  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method),
+  the rotary ``cos_sin_cache``;
+* layers that hold weights run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`),
+  so vLLM's quant method picks the kernel (fp8 block, W8A8, int4, CPU-prepacked, tensor-parallel): the q/kv
+  projections (``fused_qkv_a_proj`` as one call), ``o_proj`` (row-parallel: all-reduce inside), a dense MLP, the
+  vocab-parallel embedding, the lm_head through vLLM's ``LogitsProcessor`` (all-gathered logits on every rank),
+  and the whole ``DeepseekV2MoE`` (router, FusedMoE's routed experts, shared experts, their reduction).
 
-The draft chain, padding, buckets, paged MLA over vLLM's draft cache and sampling stay ours. Under tensor
-parallel each rank computes its own heads and its own slice of each expert; the MoE's partial sums go through
-vLLM's tensor-parallel all-reduce, as its FusedMoE does.
+vLLM's FusedMoE finds itself through vLLM's forward context, so the MoE runs inside one (the adapter's, set the
+way vLLM's proposer sets it: the padded token count) and, where our graph is compiled by inductor, as an opaque
+op: its kernels stay vLLM's and no compiled graph guards on the per-step context. The draft chain, padding,
+buckets, paged MLA over vLLM's draft cache and sampling stay ours.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -30,7 +31,6 @@ from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.external import External
 from ascend_spec.graph.layers import RMSNorm
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
-from ascend_spec.graph.moe import MoE
 
 from .shims import CompatError
 
@@ -50,32 +50,21 @@ def _share_norm(ours: RMSNorm, vnorm: nn.Module) -> None:
     ours.eps = float(vnorm.variance_epsilon)
 
 
-class HostGate(nn.Module):
-    """The router on vLLM's GateLinear: its GEMM (prepacked on CPU) and its fp32 correction bias in place."""
-
-    def __init__(self, gate: nn.Module) -> None:
-        super().__init__()
-        self.linear = _linear(gate, "gate")
-        # DeepseekV2MoE attaches the bias to its gate at run time (noaux_tc): probe it.
-        bias = getattr(gate, "e_score_correction_bias", None)  # manifest: ignore (set by DeepseekV2MoE)
-        if not isinstance(bias, torch.Tensor):
-            raise CompatError("vLLM's MoE gate has no e_score_correction_bias (topk_method noaux_tc expected)")
-        self.e_score_correction_bias = bias
-
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x).float()
-
-
 def config_from_vllm(vllm_config: Any) -> ModelConfig:
     """Our ModelConfig from the draft model's HF config vLLM holds (no file is read)."""
     hf = vllm_config.speculative_config.draft_model_config.hf_config.to_dict()
     hf["architectures"] = ["DeepseekV3ForCausalLM"]  # vLLM renames the draft's to DeepSeekMTPModel
+    # The weights stay vLLM's, quantised or not, and run through vLLM's layers: our model needs only the shapes.
+    hf.pop("quantization_config", None)
     return ModelConfig.from_hf_dict(hf)
 
 
-def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, all_reduce: Any,
-                      device: torch.device) -> DeepseekV3ForCausalLM:
-    """``mtp_model``: vLLM's DeepSeekMTP (loaded). ``all_reduce``: vLLM's tensor-parallel all-reduce."""
+def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, device: torch.device,
+                      moe_context: Callable[[int], ContextManager] | None, opaque_moe: bool = True
+                      ) -> DeepseekV3ForCausalLM:
+    """``mtp_model``: vLLM's DeepSeekMTP (loaded). ``moe_context(num_tokens)``: the forward context vLLM's MoE
+    runs in. ``opaque_moe``: call the MoE through the opaque op (inductor) or let the compiler trace it (torchair,
+    whose graph takes vllm-ascend's MoE ops)."""
     if cfg.num_nextn_predict_layers != 1:
         raise CompatError(f"ascend_spec drafter supports one MTP layer; the model has {cfg.num_nextn_predict_layers}")
     if cfg.num_attention_heads % tp_size:
@@ -100,7 +89,10 @@ def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, all_
     ours.eh_proj = mtp_layer.eh_proj  # a plain nn.Linear in vLLM: used as is
     _attention_on_vllm(ours.self_attn, decoder.self_attn, cfg, device)
     if cfg.is_moe_layer(cfg.num_hidden_layers):
-        _moe_on_vllm(ours.mlp, decoder.mlp, tp_size, all_reduce)
+        if moe_context is None:
+            raise CompatError("ascend_spec drafter: the MTP layer is MoE, but no forward context for vLLM's MoE "
+                              "was given")
+        ours.mlp = _moe_on_vllm(decoder.mlp, moe_context, opaque_moe)
     else:
         ours.mlp = External(decoder.mlp, "vllm DeepseekV2MLP")
     _check_nothing_on_meta(model)
@@ -134,22 +126,16 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
     attn.rope.sin_cached = cache[:, half:].to(device=device, dtype=torch.float32)
 
 
-def _moe_on_vllm(moe: MoE, vmoe: nn.Module, tp_size: int, all_reduce: Any) -> None:
-    # FusedMoE registers w13_weight / w2_weight at run time (its quant method's create_weights): probe them.
-    routed = next((m for m in vmoe.experts.modules()  # manifest: ignore (torch's Module.modules)
-                   if isinstance(getattr(m, "w13_weight", None), torch.Tensor)), None)  # manifest: ignore
-    expert_map = getattr(routed, "expert_map", None)  # manifest: ignore (set by FusedMoE under EP)
-    if routed is None or routed.w13_weight.dim() != 3 or not routed.w13_weight.is_floating_point() or \
-            expert_map is not None:
-        raise CompatError("vLLM's FusedMoE holds its experts quantised, repacked or expert-parallel: the "
-                          "ascend_spec drafter supports unquantised experts without expert parallelism")
-    moe.gate = HostGate(vmoe.gate)
-    moe.experts.w13_weight = routed.w13_weight  # [E, 2I/tp, D] in place
-    moe.experts.w2_weight = routed.w2_weight  # [E, D, I/tp] in place
-    if vmoe.shared_experts is not None:
-        moe.shared_experts = External(vmoe.shared_experts, "vllm shared_experts (partial under TP)")
-    if tp_size > 1:
-        moe.reduce = all_reduce
+def _moe_on_vllm(vmoe: nn.Module, moe_context: Callable[[int], ContextManager], opaque: bool) -> External:
+    """vLLM's whole DeepseekV2MoE: its router, its FusedMoE (whatever quant method and kernel vLLM chose; no
+    expert tensor is read here) and shared experts, reduced across tensor-parallel ranks as vLLM does."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # vLLM's MoE takes [tokens, hidden]
+        with moe_context(flat.shape[0]):
+            return vmoe(flat).view_as(x)
+
+    return External(forward, f"vllm {type(vmoe).__name__}", opaque=opaque)
 
 
 def _check_nothing_on_meta(model: DeepseekV3ForCausalLM) -> None:

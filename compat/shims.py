@@ -13,12 +13,13 @@ sequence lengths of async scheduling) are cloned before any arithmetic.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
@@ -332,6 +333,27 @@ def detected_drift(runner: Any) -> dict[str, str]:
     out["discard_requests"] = ("discard_request_mask" if hasattr(runner, "discard_request_mask")
                                else "discard_request_indices")
     return out
+
+
+@covers("moe_forward_context")
+def moe_forward_context(vllm_config: Any, set_context: Callable[[int], ContextManager] | None = None
+                        ) -> Callable[[int], ContextManager]:
+    """``context(num_tokens)`` for a call into vLLM's MoE: FusedMoE finds its layer (and, under data parallel,
+    the ranks' token counts) in vLLM's forward context. The one already set is kept (vllm-ascend's draft context);
+    else ``set_context`` or vLLM's own for ``num_tokens``, as vLLM's proposer sets it for a draft step."""
+    from vllm.forward_context import is_forward_context_available, set_forward_context
+
+    dp = vllm_config.parallel_config.data_parallel_size
+    if dp > 1:
+        raise CompatError(f"ascend_spec drafter: a MoE MTP layer with data_parallel_size={dp} needs every data-"
+                          "parallel rank's token count at each draft step, which vLLM's own proposer coordinates; "
+                          "use data_parallel_size=1 or vLLM's drafter (additional_config ascend_spec.enabled: false)")
+    enter = set_context or (lambda n: set_forward_context(None, vllm_config, num_tokens=n))
+
+    def context(num_tokens: int) -> ContextManager:
+        return contextlib.nullcontext() if is_forward_context_available() else enter(num_tokens)
+
+    return context
 
 
 @covers("ascend_draft_block_size")

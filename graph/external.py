@@ -1,9 +1,14 @@
 """A module slot filled from outside ``graph/``: how the graphs run on a host engine's layers.
 
-Inside vLLM the drafter runs on the weights vLLM loaded. Where a weight can be viewed (norm scales, stacked
-MoE experts, absorbed MLA matrices) our modules hold the host's tensor itself; where it cannot (a CPU-prepacked
-GEMM, a quantised or tensor-parallel layer) the slot holds an :class:`External` that calls the host layer's own
-forward. ``graph/`` never imports the host engine: ``compat/`` builds the callables.
+Inside vLLM the drafter runs on the weights vLLM loaded. Where a weight can be viewed (norm scales, absorbed MLA
+matrices) our modules hold the host's tensor itself; where it cannot (a CPU-prepacked GEMM, a quantised or
+tensor-parallel layer, a fused MoE whose quant method picks the kernel) the slot holds an :class:`External` that
+calls the host layer's own forward. ``graph/`` never imports the host engine: ``compat/`` builds the callables.
+
+An ``opaque`` External is one the compiler must not trace into: a host layer that reads process state at run time
+(vLLM's FusedMoE finds itself through the forward context, a global that changes every step, so a traced call
+would guard on it and recompile). It runs through one custom op, ``ascend_spec::external``, whose output has the
+input's shape and dtype; the callable is looked up by index at run time.
 """
 from __future__ import annotations
 
@@ -12,15 +17,37 @@ from typing import Callable
 import torch
 from torch import nn
 
+#: callables of opaque Externals, indexed by the op's ``index`` argument (process-wide, append-only)
+_OPAQUE: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+
+@torch.library.custom_op("ascend_spec::external", mutates_args=())
+def external_op(x: torch.Tensor, index: int) -> torch.Tensor:
+    out = _OPAQUE[index](x)
+    # A custom op's output may not alias its input.
+    return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
+
+
+@external_op.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
 
 class External(nn.Module):
-    def __init__(self, fn: Callable[..., torch.Tensor], name: str = "") -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], name: str = "", opaque: bool = False) -> None:
         super().__init__()
         self.fn = fn
         self.name = name
+        self.index: int | None = None
+        if opaque:
+            self.index = len(_OPAQUE)
+            _OPAQUE.append(fn)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        if self.index is not None:
+            (x,) = args
+            return external_op(x, self.index)
         return self.fn(*args)
 
     def extra_repr(self) -> str:
-        return self.name
+        return f"{self.name} (opaque)" if self.index is not None else self.name
