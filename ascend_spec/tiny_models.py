@@ -142,20 +142,20 @@ W8A8_IGNORE = ["lm_head", r"re:.*mlp\.experts\..*", r"re:.*\.kv_b_proj$", "re:.*
 W8A8_QMAX = 63
 
 
-def w8a8_quantization_config() -> dict:
+def w8a8_quantization_config(ignore: list[str] = W8A8_IGNORE) -> dict:
     """compressed-tensors ``int-quantized``: int8 per-output-channel symmetric weights, dynamic per-token int8
-    activations (vLLM's ``CompressedTensorsW8A8Int8``; oneDNN on CPUs)."""
+    activations (vLLM's ``CompressedTensorsW8A8Int8``; oneDNN on CPUs); ``ignore``: layers kept float."""
     int8 = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False}
     return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**int8, "strategy": "channel"},
                                           "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
-            "ignore": W8A8_IGNORE, "kv_cache_scheme": None}
+            "ignore": list(ignore), "kv_cache_scheme": None}
 
 
-def w8a8_from(src_dir: str | Path, out_dir: str | Path) -> Path:
+def w8a8_from(src_dir: str | Path, out_dir: str | Path, float_mtp: bool = False) -> Path:
     """A float checkpoint rewritten as compressed-tensors W8A8-int8 (see ``W8A8_LINEAR`` / ``W8A8_IGNORE``):
     ``<layer>.weight`` int8 ``[out, in]`` and ``<layer>.weight_scale`` fp32 ``[out, 1]``; the rest as it was.
-    Deterministic (round to nearest)."""
+    ``float_mtp``: the MTP layer stays float (vllm-ascend's W8A8 deployments). Deterministic (round to nearest)."""
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src_dir), Path(out_dir)
@@ -164,11 +164,15 @@ def w8a8_from(src_dir: str | Path, out_dir: str | Path) -> Path:
     if hf.get("quantization_config"):
         raise ValueError(f"{src}: already quantised ({hf['quantization_config'].get('quant_method')}); "
                          "w8a8_from takes a float checkpoint")
+    ignore = list(W8A8_IGNORE)
+    if float_mtp:
+        ignore.append(rf"re:model\.layers\.{hf['num_hidden_layers']}\..*")
+    skip = [re.compile(i[3:]) for i in ignore if i.startswith("re:")]
     weight_map: dict[str, str] = {}
     for shard in sorted(src.glob("*.safetensors")):
         tensors = {}
         for name, w in load_file(shard).items():
-            if W8A8_LINEAR.search(name) and not re.search(r"mlp\.experts\.", name):
+            if W8A8_LINEAR.search(name) and not any(r.match(name[: -len(".weight")]) for r in skip):
                 scale = w.float().abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / W8A8_QMAX
                 tensors[name] = (w.float() / scale).round().clamp(-W8A8_QMAX, W8A8_QMAX).to(torch.int8)
                 tensors[name[: -len("weight")] + "weight_scale"] = scale
@@ -182,6 +186,6 @@ def w8a8_from(src_dir: str | Path, out_dir: str | Path) -> Path:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
-    hf["quantization_config"] = w8a8_quantization_config()
+    hf["quantization_config"] = w8a8_quantization_config(ignore)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out

