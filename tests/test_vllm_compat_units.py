@@ -1,6 +1,7 @@
-"""compat/ shims, settings and probes on stand-in objects: no vLLM engine, no vLLM import needed."""
+"""compat/ shims, settings and probes on stand-in objects: no vLLM engine (one test enters vLLM's forward context)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import types
 
@@ -204,3 +205,34 @@ def test_graph_size_plan_names_the_conflict():
                                           r"num_speculative_tokens=1\) tokens = \[2, 6\], which must be multiples "
                                           r"of the tensor-parallel size 4; allowed sizes are multiples of 2"):
         graph_size_plan([1, 2, 3, 4], 1, 4, explicit=True)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_moe_forward_context_sets_one_only_when_none_is_set():
+    """vLLM's MoE needs a forward context: ours is set for the call's token count unless one is already set
+    (vllm-ascend's draft context); data parallel (the ranks' token counts) stops with one clear error."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    seen = []
+
+    def ascend_like(n):  # stands in for a host's own context setter
+        seen.append(n)
+        return contextlib.nullcontext()
+
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1))
+    context = shims.moe_forward_context(cfg, ascend_like)
+    assert not is_forward_context_available()
+    with context(12):
+        pass
+    assert seen == [12]
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    with set_forward_context(None, VllmConfig(), num_tokens=3):
+        outer = get_forward_context()
+        with context(7):
+            assert get_forward_context() is outer  # kept, not replaced
+    assert seen == [12]
+    dp = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
+    with pytest.raises(shims.CompatError, match="data_parallel_size=2"):
+        shims.moe_forward_context(dp)

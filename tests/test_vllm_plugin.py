@@ -146,7 +146,8 @@ def test_plugin_drafts_with_our_proposer(runs):
         (stats,) = ok(runs, name)["drafter"]
         assert stats["drafter"] == "ascend_spec", (name, stats)
         assert stats["backend"] == "inductor" and stats["buckets"] == [2, 4], stats  # backend auto on CPU
-        assert stats["graph_calls"] > 0 and stats["eager_calls"] > 0, stats  # decode graphs + ragged prefill
+        # decode and the ragged prefills alike replay the compiled graph (inductor: a dynamic query width)
+        assert stats["graph_calls"] > 0 and stats["eager_calls"] == 0, stats
         assert stats["fallback_calls"] == 0, stats
     for name in ("vllm_k1", "vllm_k2", "vllm_k2_async"):
         (stats,) = ok(runs, name)["drafter"]
@@ -239,7 +240,8 @@ def test_engine_log_is_clean_and_says_what_ran(runs):
     log = ENGINE_LOG["text"]
     assert "Exception ignored" not in log and "CPUDNNLGEMMHandler" not in log
     starts = [line for line in log.splitlines() if "ascend_spec drafter rank 0/1: backend inductor" in line]
-    assert starts and all("weights shared with vLLM (drafter owns 0.0 MiB" in line for line in starts), starts[:2]
+    assert starts and all("weights shared with vLLM (unquantised; drafter owns 0.0 MiB" in line for line in starts), \
+        starts[:2]
 
 
 def test_stats_file_per_rank(runs):

@@ -4,6 +4,7 @@
     python tools/bench_vllm.py                       # K=2, async scheduling on, 8 prompts x 128 tokens
     python tools/bench_vllm.py --sync --k 1 --kv-blocks 256 --json out.json
     python tools/bench_vllm.py --checkpoint bundled-moe --tp 2 --sync   # MoE + YaRN, tensor parallel 2
+    python tools/bench_vllm.py --checkpoint bundled-moe-w8a8 --sync     # the same, W8A8-int8 linears
 
 Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
 sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
@@ -56,6 +57,25 @@ def steady(result: dict) -> dict:
     }
 
 
+MD_HEADER = ("| checkpoint | TP | max_model_len | K | vLLM draft ms/step | ours draft ms/step | draft speed-up "
+             "| vLLM tok/s | ours tok/s | tok/s ours ÷ vLLM | acceptance vLLM / ours | ours owns | tokens identical |\n"
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+
+def append_row(path: Path, args: argparse.Namespace, agg: dict, same_tokens: bool, ours_stats: dict) -> None:
+    """One Markdown row per run, so a matrix of runs (``make bench-vllm``) reads as one table."""
+    v, o = agg["vllm"], agg["ours"]
+    row = (f"| {args.checkpoint} | {args.tp} | {args.max_model_len or 512} | {args.k} | "
+           f"{v['draft_ms_per_step']:.2f} | {o['draft_ms_per_step']:.2f} | "
+           f"{v['draft_ms_per_step'] / o['draft_ms_per_step']:.2f}× | {v['tokens_per_s']:.1f} | "
+           f"{o['tokens_per_s']:.1f} | {o['tokens_per_s'] / v['tokens_per_s']:.2f}× | "
+           f"{v['acceptance']:.3f} / {o['acceptance']:.3f} | {ours_stats['weights_owned_bytes']} B | {same_tokens} |\n")
+    new = not path.is_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write((MD_HEADER if new else "") + row)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2)
@@ -68,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="num_gpu_blocks_override (default: what VLLM_CPU_KVCACHE_SPACE=1 gives)")
     ap.add_argument("--graph-batch-sizes", default="", help="comma list (default: ascend_spec's buckets)")
     ap.add_argument("--checkpoint", default="bundled",
-                    help="bundled (12 + 1 layers) | fixture (2 + 1) | bundled-moe | a checkpoint folder")
+                    help="bundled (12 + 1 layers) | fixture (2 + 1) | bundled-moe | bundled-moe-w8a8 (compressed-tensors "
+                         "W8A8-int8) | a checkpoint folder")
     ap.add_argument("--cache", type=Path, default=Path(".cache/bench-checkpoints"))
     ap.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor_parallel_size")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default the harness's 512); above the checkpoint's "
                          "max_position_embeddings a copy allowing it is written to --cache")
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--append-md", type=Path, default=None,
+                    help="append this run's row to a Markdown table (header written when the file is new)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -83,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     from ascend_spec.compat.harness import BUNDLED_CHECKPOINT, CHECKPOINT, ENGINE, run_all
 
     checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
-    if args.checkpoint == "bundled-moe":
-        from ascend_spec.tiny_models import moe_from_bundled
+    if args.checkpoint in ("bundled-moe", "bundled-moe-w8a8"):
+        from ascend_spec.tiny_models import moe_from_bundled, w8a8_from
 
         checkpoint = args.cache / "bundled-moe"
         if not (checkpoint / "config.json").is_file():
             moe_from_bundled(checkpoint)
+        if args.checkpoint == "bundled-moe-w8a8":
+            quantised = args.cache / "bundled-moe-w8a8"
+            checkpoint = quantised if (quantised / "config.json").is_file() else w8a8_from(checkpoint, quantised)
 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     llm = {"max_num_seqs": max(args.num_prompts, 1), "tensor_parallel_size": args.tp}
@@ -141,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio vLLM/ours draft time per step: {agg['vllm']['draft_ms_per_step'] / agg['ours']['draft_ms_per_step']:.2f}x; "
           f"tokens/s ours/vLLM: {agg['ours']['tokens_per_s'] / agg['vllm']['tokens_per_s']:.2f}x; "
           f"token ids identical: {same_tokens}")
+    if args.append_md:
+        append_row(args.append_md, args, agg, same_tokens, results[1]["drafter_snapshots"][-1][0])
     if args.tp == 1:
         mem = {name: statistics.median(r["live_tensor_bytes"] for r in results if r["name"].startswith(name))
                for name in ("vllm", "ours")}

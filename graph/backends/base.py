@@ -30,10 +30,12 @@ class ShapePolicy:
 
 @dataclass(frozen=True, slots=True)
 class DynamicDims:
-    """Which arguments of a graph function carry the batch (dim 0) and the block-table width (dim 1)."""
+    """Which arguments of a graph function carry the batch (dim 0), the block-table width (dim 1) and the query
+    width (dim 1: tokens per request, 1 + K at decode, a prompt's length at prefill)."""
 
     batch: tuple[int, ...]
     width: tuple[int, ...] = ()
+    query: tuple[int, ...] = ()
 
 
 class BackendUnavailable(RuntimeError):

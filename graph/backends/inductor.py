@@ -20,7 +20,7 @@ from .base import DynamicDims, GraphFn, ShapePolicy
 def mark_dims(args: tuple[Any, ...], dims: DynamicDims) -> None:
     for i in dims.batch:
         torch._dynamo.maybe_mark_dynamic(args[i], 0)
-    for i in dims.width:
+    for i in (*dims.width, *dims.query):
         torch._dynamo.maybe_mark_dynamic(args[i], 1)
 
 
