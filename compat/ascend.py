@@ -276,8 +276,12 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
     def _draft_context(self, f: Any, k: int) -> Any:
         return forward_context(self._ascend_context_fn(), self.vllm_config, f.num_reqs * (1 + k))
 
+    def _warmup_context(self, num_tokens: int) -> Any:
+        return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens)
+
     def _moe_context(self) -> Any:
-        # Outside a draft (warm-up, dummy runs) vllm-ascend's MoE still needs vllm-ascend's context.
+        # On the NPU the torchair graph traces vllm-ascend's MoE inside the draft / warm-up context; an opaque MoE
+        # (the drafter on another device) enters vllm-ascend's context itself where none is set.
         set_ctx = self._ascend_context_fn()
         return moe_forward_context(self.vllm_config, lambda n: forward_context(set_ctx, self.vllm_config, n))
 

@@ -226,7 +226,7 @@ class AscendSpecMtpMixin:
         gc.collect()
         if s.warmup:
             t0 = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):
                 self._ascend.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
         logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
@@ -325,6 +325,10 @@ class AscendSpecMtpMixin:
 
     def _draft_context(self, f: Any, k: int) -> Any:
         """Context our draft runs in (vllm-ascend: its forward context; vLLM: none needed)."""
+        return contextlib.nullcontext()
+
+    def _warmup_context(self, num_tokens: int) -> Any:
+        """Context the warm-up compiles in (vllm-ascend: its forward context, which its traced MoE reads)."""
         return contextlib.nullcontext()
 
     def _fallback_reason(self, k: int, target_positions: Any, sampling_metadata: Any) -> str | None:

@@ -128,10 +128,13 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
 
 def _moe_on_vllm(vmoe: nn.Module, moe_context: Callable[[int], ContextManager], opaque: bool) -> External:
     """vLLM's whole DeepseekV2MoE: its router, its FusedMoE (whatever quant method and kernel vLLM chose; no
-    expert tensor is read here) and shared experts, reduced across tensor-parallel ranks as vLLM does."""
+    expert tensor is read here) and shared experts, reduced across tensor-parallel ranks as vLLM does. Opaque, it
+    enters ``moe_context`` itself; traced (torchair), the caller's context is the one every call runs in."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # vLLM's MoE takes [tokens, hidden]
+        if not opaque:
+            return vmoe(flat).view_as(x)
         with moe_context(flat.shape[0]):
             return vmoe(flat).view_as(x)
 

@@ -258,6 +258,9 @@ class RecordingDraft:
         self.backend = types.SimpleNamespace(shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
                                                                 trim_context=False))
 
+    def graph_serves(self, batch: int, query: int) -> bool:  # torchair: one query width, 1 + K
+        return query == 1 + self.num_speculative_tokens and self.graph.bucket_for(batch) is not None
+
     def propose(self, inputs):
         self.inputs.append(inputs)
         return torch.full((inputs.next_token_ids.shape[0], self.num_speculative_tokens), 7)
