@@ -2,7 +2,7 @@
 
 Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
 a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
-fused graphs on the same inert batch, K values interleaved), then followed by the steps the run takes: a moving
+fused graphs on the same inert batch at a short context, K values interleaved), then followed by the steps the run takes: a moving
 average of each step's wall time since the previous one, so what a K costs the engine beyond its graph counts too
 (speculating requests finish at different steps and join one by one, each a prefill of its own), and a warm-up
 figure taken on a noisy machine does not rule a K out for good. K = 0 — plain decoding — wins
@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 EXPLORE_EVERY = 64
 #: consecutive steps an exploration takes: one to draft, one to verify
 EXPLORE_STEPS = 2
-#: weight of one measured step in a bucket's running step cost
+#: weight of one measured step in a bucket's running step cost (the chosen K: measured every step)
 COST_SMOOTHING = 0.2
+#: weight of an exploration step (another K, measured two steps in EXPLORE_EVERY): a warm-up figure that was off
+#: must not take many explorations to correct
+EXPLORE_SMOOTHING = 0.5
+#: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
+#: high; a K that runs is measured every step and corrected at once, one that does not only when explored
+WARMUP_COST_CONTEXT = 64
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -72,4 +78,5 @@ class AdaptiveK:
         """A step of ``bucket`` at K = ``k`` took ``seconds``: fold it into the running cost."""
         costs = self.step_seconds.get(bucket)
         if costs is not None and k in costs:
-            costs[k] += COST_SMOOTHING * (seconds - costs[k])
+            weight = COST_SMOOTHING if k == self.chosen.get(bucket, k) else EXPLORE_SMOOTHING
+            costs[k] += weight * (seconds - costs[k])

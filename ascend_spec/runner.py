@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import AdaptiveK
+from .adaptive import WARMUP_COST_CONTEXT, AdaptiveK
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
@@ -266,7 +266,7 @@ class ModelRunner:
             times: dict[int, list[float]] = {k: [] for k in range(self.k + 1)}
             for _ in range(rounds):
                 for k in times:
-                    times[k].append(self.time_step(bucket, k, repeats=3))
+                    times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
             self.adaptive.step_seconds[bucket] = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
 
     def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:

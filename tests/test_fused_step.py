@@ -4,8 +4,8 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.adaptive import (EXPLORE_EVERY, EXPLORE_STEPS, AdaptiveK, choose_k, expected_tokens_per_step,
-                                  speedup_limit)
+from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_SMOOTHING, EXPLORE_STEPS, AdaptiveK,
+                                  choose_k, expected_tokens_per_step, speedup_limit)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -107,6 +107,12 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     for _ in range(100):
         policy.observe(8, 1, 1.05)
     assert policy.step_seconds[8][1] == pytest.approx(1.05, rel=1e-3) and policy.k_for(8, poor) == 1
+    # an explored K's figure moves further per step than the chosen one's (measured twice in EXPLORE_EVERY)
+    policy.step_seconds[8][2] = 2.0
+    policy.observe(8, 2, 1.0)
+    policy.observe(8, 1, 2.05)
+    assert policy.step_seconds[8][2] == pytest.approx(2.0 - EXPLORE_SMOOTHING)
+    assert policy.step_seconds[8][1] == pytest.approx(1.05 + COST_SMOOTHING, rel=1e-3)
 
 
 def test_acceptance_tracker_counts_conditional_rates():
