@@ -51,9 +51,10 @@ class MtpTorchairProposer(MtpProposer):
 
     @property
     def query_is_dynamic(self) -> bool:
-        """One compile serves every query width (prefill chunks too) where the batch is dynamic (inductor); GE
-        graphs (torchair) keep one width, 1 + K, and prefills run the eager reference."""
-        return self.backend.shapes.dynamic_batch
+        """One compile serves every query width (prefill chunks too) where shapes are fully dynamic (inductor on
+        CPU). Backends that replay one recorded shape per bucket (CUDA graphs, torchair's GE graphs) would record
+        one per prompt length: they keep one width, 1 + K, and prefills run the eager reference."""
+        return self.backend.shapes.dynamic_batch and self.backend.shapes.exact_batch
 
     def graph_serves(self, batch: int, query: int) -> bool:
         """Whether a draft of ``batch`` requests × ``query`` tokens replays a compiled graph (else eager)."""
