@@ -57,7 +57,11 @@ def steady(result: dict) -> dict:
     }
 
 
-MD_HEADER = ("| checkpoint | TP | max_model_len | K | vLLM draft ms/step | ours draft ms/step | draft speed-up "
+MD_HEADER = ("# Our MTP drafter vs vLLM's, in vLLM's CPU engine\n\n"
+             "`make bench-vllm`: one `tools/bench_vllm.py` run per row (greedy, fp32; the two drafters' engines "
+             "interleaved over the rounds, medians). Draft ms/step: the drafter's `propose` on steady-state decode "
+             "steps, timed inside the engine for both; TP 2 runs one core per rank.\n\n"
+             "| checkpoint | TP | max_model_len | K | vLLM draft ms/step | ours draft ms/step | draft speed-up "
              "| vLLM tok/s | ours tok/s | tok/s ours ÷ vLLM | acceptance vLLM / ours | ours owns | tokens identical |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
 
