@@ -402,6 +402,10 @@ class ModelRunner:
             return self.force_k
         if not (self.cfg.adaptive_k and self.k):
             return self.k
+        if not any(self.acceptance.offered):
+            # No draft verified yet: acceptance is learned only from drafts, and the prior (1/2 a position) can
+            # favour K = 0, which would then learn nothing until an exploration. Draft K_max first.
+            return self.k
         return self.adaptive.k_for(bucket, self.acceptance.rates())
 
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:

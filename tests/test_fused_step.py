@@ -80,6 +80,16 @@ def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts)
     assert sum(stats.steps_per_k.values()) == stats.num_steps
 
 
+def test_adaptive_k_drafts_k_max_until_a_draft_is_verified(trained_dir):
+    """Acceptance is learnt only from drafts: with none verified yet K_max runs, even where the prior (1/2 a
+    position) and the costs favour K = 0 (which would learn nothing until an exploration)."""
+    runner = _engine(trained_dir, 3, fused=True, adaptive=True).runner
+    runner.adaptive.step_seconds[1] = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}
+    assert runner._k_for(1) == 3
+    runner.acceptance.record(3, 0)  # a first verified draft, rejected
+    assert runner._k_for(1) == 0
+
+
 def test_choose_k_weighs_cost_against_acceptance():
     costs = {0: 1.0, 1: 1.15, 2: 1.3, 3: 1.45}
     assert choose_k(costs, [0.9, 0.9, 0.9]) == 3
