@@ -6,8 +6,9 @@ groups stay; top-``num_experts_per_tok`` experts on the biased scores; their wei
 scores, renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``. Shared experts are a plain
 gated MLP added to the routed sum.
 
-Experts are stored stacked, ``w13 [E, 2I, D]`` (gate rows, then up rows) and ``w2 [E, D, I]``, as vLLM's
-FusedMoE holds them, so the same code can run on vLLM's tensors in place. The routed computation has two
+Experts are stored stacked, ``w13 [E, 2I, D]`` (gate rows, then up rows) and ``w2 [E, D, I]``, FusedMoE's
+unquantised layout. This module serves the standalone engine; inside vLLM the drafter calls vLLM's own MoE module
+instead (its quant method and kernels, see ``compat/host_weights.py``). The routed computation has two
 fixed-shape formulations, picked statically from the shapes (never from the data), so a compiled graph has no
 host sync and no data-dependent shape:
 
