@@ -26,6 +26,9 @@ COST_SMOOTHING = 0.2
 #: weight of an exploration step (another K, measured two steps in EXPLORE_EVERY): a warm-up figure that was off
 #: must not take many explorations to correct
 EXPLORE_SMOOTHING = 0.5
+#: a step's time counts at most this multiple of its K's running cost: a request that joins (its prefill lands in
+#: the step's wall time) costs every K alike and once, and must not make one K look dear until it is explored again
+OBSERVE_CLIP = 1.5
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
@@ -79,4 +82,4 @@ class AdaptiveK:
         costs = self.step_seconds.get(bucket)
         if costs is not None and k in costs:
             weight = COST_SMOOTHING if k == self.chosen.get(bucket, k) else EXPLORE_SMOOTHING
-            costs[k] += weight * (seconds - costs[k])
+            costs[k] += weight * (min(seconds, OBSERVE_CLIP * costs[k]) - costs[k])
