@@ -2,11 +2,12 @@
 
 Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
 a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
-fused graphs on the same inert batch at a short context, K values interleaved), then followed by the steps the run takes: a moving
-average of each step's wall time since the previous one, so what a K costs the engine beyond its graph counts too
-(speculating requests finish at different steps and join one by one, each a prefill of its own), and a warm-up
-figure taken on a noisy machine does not rule a K out for good. K = 0 — plain decoding — wins
-where drafts do not pay, so speculation never costs more than it brings.
+fused graphs on the same inert batch at a short context, K values interleaved), then followed by the steps the run
+takes: a moving average of each step's wall time since the previous one (each clipped at ``OBSERVE_CLIP`` times the
+running figure), so what a K costs the engine beyond its graph counts too (speculating requests finish at different
+steps and join one by one, each a prefill of its own), and a warm-up figure taken on a noisy machine does not rule
+a K out for good. K = 0 — plain decoding — wins where drafts do not pay, so speculation never costs more than it
+brings.
 
 Acceptance is learned from the run, and so are the costs: every ``EXPLORE_EVERY`` steps a bucket runs its last two
 at another K, each K in turn (the first step drafts, the second verifies), so a K whose warm-up figure was off, or
