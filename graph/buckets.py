@@ -153,8 +153,9 @@ class BucketedGraph:
         table (a dynamic query axis: the widths prefills take); default the examples' own."""
         for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
-            # query widths at the narrowest table: a wide query over a long context is a large warm-up
-            shapes = [(w, None) for w in widths or [None]] + [((widths or [None])[0], q) for q in queries or []]
+            # Query widths first (the first call compiles: a query width of 1 + K could equal the row count and
+            # share its symbol), at the narrowest table: a wide query over a long context is a large warm-up.
+            shapes = [((widths or [None])[0], q) for q in queries or []] + [(w, None) for w in widths or [None]]
             for width, query in shapes:
                 padded = []
                 for arg, x in zip(self.batch_args, example_batch_inputs):
