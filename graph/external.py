@@ -8,22 +8,27 @@ calls the host layer's own forward. ``graph/`` never imports the host engine: ``
 An ``opaque`` External is one the compiler must not trace into: a host layer that reads process state at run time
 (vLLM's FusedMoE finds itself through the forward context, a global that changes every step, so a traced call
 would guard on it and recompile). It runs through one custom op, ``ascend_spec::external``, whose output has the
-input's shape and dtype; the callable is looked up by index at run time.
+input's shape and dtype; the module is looked up by index at run time.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 
-#: callables of opaque Externals, indexed by the op's ``index`` argument (process-wide, append-only)
-_OPAQUE: list[Callable[[torch.Tensor], torch.Tensor]] = []
+#: opaque Externals, indexed by the op's ``index`` argument (process-wide, append-only). Weak: an engine torn down
+#: frees its host layers (a process may build several, as the test harness does).
+_OPAQUE: list[weakref.ref] = []
 
 
 @torch.library.custom_op("ascend_spec::external", mutates_args=())
 def external_op(x: torch.Tensor, index: int) -> torch.Tensor:
-    out = _OPAQUE[index](x)
+    module = _OPAQUE[index]()
+    if module is None:
+        raise RuntimeError(f"ascend_spec::external: opaque External #{index} was freed; its graph is stale")
+    out = module.fn(x)
     # A custom op's output may not alias its input.
     return out.clone() if out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() else out
 
@@ -41,7 +46,7 @@ class External(nn.Module):
         self.index: int | None = None
         if opaque:
             self.index = len(_OPAQUE)
-            _OPAQUE.append(fn)
+            _OPAQUE.append(weakref.ref(self))
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self.index is not None:

@@ -178,3 +178,19 @@ def test_opaque_external_runs_at_each_call_and_never_recompiles():
         assert torch.equal(fn(x), (x + 1) * scale * 2)
     assert dynamo_compile_count() == before
     assert "opaque" in repr(ext)
+
+
+def test_opaque_external_does_not_keep_its_host_layer_alive():
+    """The op's registry holds opaque Externals weakly: a torn-down engine's host layers (vLLM's MoE) are freed."""
+    import gc
+    import weakref
+
+    from ascend_spec.graph.external import External
+
+    host = torch.nn.Linear(4, 4)
+    alive = weakref.ref(host)
+    ext = External(lambda x: host(x), "host", opaque=True)
+    assert ext(torch.ones(2, 4)).shape == (2, 4)
+    del ext, host
+    gc.collect()
+    assert alive() is None
