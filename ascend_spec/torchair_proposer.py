@@ -56,10 +56,12 @@ class MtpTorchairProposer(MtpProposer):
         one per prompt length: they keep one width, 1 + K, and prefills run the eager reference."""
         return self.backend.shapes.dynamic_batch and self.backend.shapes.exact_batch
 
+    def _query_compiles(self, query: int) -> bool:
+        return query == 1 + self.num_speculative_tokens or (self.query_is_dynamic and query <= MAX_GRAPH_QUERY)
+
     def graph_serves(self, batch: int, query: int) -> bool:
         """Whether a draft of ``batch`` requests × ``query`` tokens replays a compiled graph (else eager)."""
-        fits = query == 1 + self.num_speculative_tokens or (self.query_is_dynamic and query <= MAX_GRAPH_QUERY)
-        return fits and self.graph.bucket_for(batch) is not None
+        return self._query_compiles(query) and self.graph.bucket_for(batch) is not None
 
     def warmup(self, progress: bool = True) -> dict[int, float]:
         """Compile the draft graph(s) (verify layout, Q = 1 + K): one per bucket, largest first, where the backend
@@ -80,7 +82,7 @@ class MtpTorchairProposer(MtpProposer):
                    seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         args = [input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens]
         query = input_ids.shape[1]
-        if query != 1 + self.num_speculative_tokens and not (self.query_is_dynamic and query <= MAX_GRAPH_QUERY):
+        if not self._query_compiles(query):
             # Other query widths (prefill, the unpadded path) on a fixed-width backend: the eager reference.
             return super()._run_draft(*args)
         if query < 2:  # a dynamic dimension of size 1 would specialise the compile: one inert token more

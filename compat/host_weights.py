@@ -21,6 +21,7 @@ buckets, paged MLA over vLLM's draft cache and sampling stay ours.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, ContextManager
 
@@ -133,9 +134,7 @@ def _moe_on_vllm(vmoe: nn.Module, moe_context: Callable[[int], ContextManager], 
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # vLLM's MoE takes [tokens, hidden]
-        if not opaque:
-            return vmoe(flat).view_as(x)
-        with moe_context(flat.shape[0]):
+        with moe_context(flat.shape[0]) if opaque else contextlib.nullcontext():
             return vmoe(flat).view_as(x)
 
     return External(forward, f"vllm {type(vmoe).__name__}", opaque=opaque)

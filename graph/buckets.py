@@ -149,7 +149,7 @@ class BucketedGraph:
                progress: bool = True, widths: Sequence[int] | None = None,
                queries: Sequence[int] | None = None) -> dict[int, float]:
         """Compile (and on CUDA capture) every graph, with all rows padded (inert). ``widths``: the block-table
-        widths to replay (see :func:`warm_widths`); ``queries``: the query widths, each replayed at the widest
+        widths to replay (see :func:`warm_widths`); ``queries``: the query widths, each replayed at the narrowest
         table (a dynamic query axis: the widths prefills take); default the examples' own."""
         for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
