@@ -26,7 +26,7 @@ On Ascend NPUs the torchair backend replaces the routed part with torch_npu's fu
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -128,9 +128,6 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, cfg.shared_intermediate_size) if cfg.n_shared_experts else None
         #: "auto" picks per shape (see the module docstring); tests and benchmarks pin one.
         self.strategy: Strategy = "auto"
-        #: Tensor parallel: experts hold this rank's slice of each expert's intermediate dim, so the routed and
-        #: shared outputs are partial sums; the host engine supplies the all-reduce (None: one device).
-        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -148,6 +145,4 @@ class MoE(nn.Module):
             out = routed_experts(flat, ids, weights, w13, w2, self.strategy)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        if self.reduce is not None:
-            out = self.reduce(out)
         return out.view_as(x)
