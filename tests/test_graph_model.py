@@ -146,12 +146,14 @@ def test_weight_left_linear_is_the_same_function_and_backends_choose_it():
 
     torch.manual_seed(0)
     lin = Linear(16, 24, bias=False)
-    x = torch.randn(2, 3, 16)
-    plain = lin(x)
-    lin.weight_left = True
-    left = lin(x)
-    assert left.shape == plain.shape == (2, 3, 24)
-    torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-6)
+    for shape in [(2, 3, 16), (1, 1, 16)]:  # a lone token takes the padded path
+        x = torch.randn(*shape)
+        lin.weight_left = False
+        plain = lin(x)
+        lin.weight_left = True
+        left = lin(x)
+        assert left.shape == plain.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(left, plain, rtol=1e-5, atol=1e-6)
     model = random_model()
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and model.lm_head in linears

