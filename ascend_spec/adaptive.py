@@ -6,8 +6,10 @@ fused graphs on the same inert batch at a short context, K values interleaved), 
 takes: a moving average of each step's wall time since the previous one (each clipped at ``OBSERVE_CLIP`` times the
 running figure), so what a K costs the engine beyond its graph counts too (speculating requests finish at different
 steps and join one by one, each a prefill of its own), and a warm-up figure taken on a noisy machine does not rule
-a K out for good. K = 0 — plain decoding — wins where drafts do not pay, so speculation never costs more than it
-brings.
+a K out for good. K = 0 — plain decoding — wins where drafts are expected not to pay. The estimates can drift from
+what a K really costs (an exploration step is charged the prefill of a request that joins then; the running K's
+join spikes are clipped): on the 2-core CI machine at batch 8-16, adaptive K runs below both plain decoding and the
+best fixed K (docs/bench/results.md).
 
 Acceptance is learned from the run, and so are the costs: every ``EXPLORE_EVERY`` steps a bucket runs its last two
 at another K, each K in turn (the first step drafts, the second verifies), so a K whose warm-up figure was off, or
