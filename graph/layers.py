@@ -15,9 +15,10 @@ class Linear(nn.Linear):
 
     Decode and verify multiply a handful of tokens by every weight. On x86 CPUs MKL's sgemm picks a far better
     kernel when the skinny operand is on the right: measured here (AVX2, 2 cores, the bundled model's 73 matrices,
-    compiled) 2–8 tokens cost 0.4–0.6× of ``x · Wᵀ`` and about what one token costs, so verifying 1 + K tokens
-    costs what decoding one does. A lone token runs as two (a one-column product is slower still). Same function; only the summation order may differ (~1e-6). Backends opt in
-    (``weight_left_matmul``); GPUs and NPUs keep the plain product.
+    compiled) 2–8 tokens cost 0.4–0.6× of ``x · Wᵀ`` and about what one token costs, so a verify's products cost
+    about what a one-token step's do. A lone token runs as two (a one-column product is slower still). Same function;
+    only the summation order may differ (~1e-6). Backends opt in (``weight_left_matmul``); GPUs and NPUs keep the
+    plain product.
     """
 
     #: set by ``DeepseekV3ForCausalLM.use_backend``
