@@ -3,17 +3,21 @@
 Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
 a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
 fused graphs on the same inert batch at a short context, K values interleaved), then followed by the steps the run
-takes: a moving average of each step's wall time since the previous one (each clipped at ``OBSERVE_CLIP`` times the
-running figure), so what a K costs the engine beyond its graph counts too (speculating requests finish at different
-steps and join one by one, each a prefill of its own), and a warm-up figure taken on a noisy machine does not rule
-a K out for good. K = 0 — plain decoding — wins where drafts are expected not to pay. The estimates can drift from
-what a K really costs (an exploration step is charged the prefill of a request that joins then; the running K's
-join spikes are clipped): on the 2-core CI machine at batch 8-16, adaptive K runs below both plain decoding and the
-best fixed K (docs/bench/results.md).
+takes (each fused step's own time, graph and host; prefills between steps are left out: every request is
+prefilled once whatever K decodes it, a cost per token that does not change which K yields the most).
 
-Acceptance is learned from the run, and so are the costs: every ``EXPLORE_EVERY`` steps a bucket runs its last two
-at another K, each K in turn (the first step drafts, the second verifies), so a K whose warm-up figure was off, or
-whose drafts were rejected once, gets measured again.
+Two kinds of drift are told apart. What moves every K alike (the machine's speed, which drifts by ±20-30% within
+minutes on shared CPUs; the context growing; the host's share) is followed by the running K: each of its steps
+scales the whole bucket's figures, so K values that are not running do not keep stale, optimistic warm-up figures
+(which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
+What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
+steps at another K, each K in turn (the first step drafts, the second verifies), and that K's own figure moves.
+
+K = 0, plain decoding, is the incumbent: speculation must be expected to yield ``SWITCH_MARGIN`` more per second to
+be chosen, and a running K gives way only to one that beats it by as much. Near-ties (batch 8-16 on the 2-core CPU,
+where every K is within a few per cent a step) then cost nothing, and what the per-step figures do not hold —
+speculating requests finish at different steps, so a finite queue drains with part of the batch idle — weighs on
+the side of not speculating.
 """
 from __future__ import annotations
 
@@ -24,14 +28,20 @@ from dataclasses import dataclass, field
 EXPLORE_EVERY = 64
 #: consecutive steps an exploration takes: one to draft, one to verify
 EXPLORE_STEPS = 2
-#: weight of one measured step in a bucket's running step cost (the chosen K: measured every step)
+#: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
 COST_SMOOTHING = 0.2
 #: weight of an exploration step (another K, measured two steps in EXPLORE_EVERY): a warm-up figure that was off
 #: must not take many explorations to correct
 EXPLORE_SMOOTHING = 0.5
-#: a step's time counts at most this multiple of its K's running cost: a request that joins (its prefill lands in
-#: the step's wall time) costs every K alike and once, and must not make one K look dear until it is explored again
+#: a step's time counts at most this multiple of its K's running cost: one stalled step (a noisy neighbour, the
+#: allocator) must not move a bucket's figures far
 OBSERVE_CLIP = 1.5
+#: a bucket leaves its running K (at first K = 0) only for one expected to yield this much more per second:
+#: near-equal estimates must not flip K every few steps, and each flip costs (the batch is rebuilt, and the first
+#: step at a higher K has fewer drafts to verify)
+SWITCH_MARGIN = 0.05
+#: first-position drafts verified (K_max running) before a bucket chooses its K
+LEARN_DRAFTS = 32
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
@@ -46,9 +56,19 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
     return total
 
 
-def choose_k(step_seconds: dict[int, float], acceptance: list[float]) -> int:
-    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts)."""
-    return max(sorted(step_seconds), key=lambda k: (expected_tokens_per_step(acceptance, k) / step_seconds[k], -k))
+def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int) -> float:
+    return expected_tokens_per_step(acceptance, k) / step_seconds[k]
+
+
+def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None) -> int:
+    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts).
+    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``."""
+    best = max(sorted(step_seconds), key=lambda k: (tokens_per_second(step_seconds, acceptance, k), -k))
+    if current in step_seconds and current != best and (
+            tokens_per_second(step_seconds, acceptance, best)
+            < (1 + SWITCH_MARGIN) * tokens_per_second(step_seconds, acceptance, current)):
+        return current
+    return best
 
 
 def speedup_limit(step_seconds: dict[int, float], acceptance: list[float], k: int) -> float:
@@ -72,7 +92,7 @@ class AdaptiveK:
         if not costs:
             return self.k_max
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        k = self.chosen[bucket] = choose_k(costs, acceptance)
+        k = self.chosen[bucket] = choose_k(costs, acceptance, self.chosen.get(bucket, 0))
         if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position.
@@ -81,8 +101,15 @@ class AdaptiveK:
         return k
 
     def observe(self, bucket: int, k: int, seconds: float) -> None:
-        """A step of ``bucket`` at K = ``k`` took ``seconds``: fold it into the running cost."""
+        """A step of ``bucket`` at K = ``k`` took ``seconds``. The running K's steps scale every K's figure (drift
+        they share); an explored K's step moves its own figure."""
         costs = self.step_seconds.get(bucket)
-        if costs is not None and k in costs:
-            weight = COST_SMOOTHING if k == self.chosen.get(bucket, k) else EXPLORE_SMOOTHING
-            costs[k] += weight * (min(seconds, OBSERVE_CLIP * costs[k]) - costs[k])
+        if costs is None or k not in costs:
+            return
+        seen = min(seconds, OBSERVE_CLIP * costs[k])
+        if k == self.chosen.get(bucket, k):
+            scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
+            for j in costs:
+                costs[j] *= scale
+        else:
+            costs[k] += EXPLORE_SMOOTHING * (seen - costs[k])

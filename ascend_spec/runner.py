@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import WARMUP_COST_CONTEXT, AdaptiveK
+from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
@@ -154,7 +154,6 @@ class ModelRunner:
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
-        self._last_step_end: float | None = None
         self._pending_drafts: dict[int, list[int]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
 
@@ -365,7 +364,6 @@ class ModelRunner:
         if self.fused_applies(running):
             return self._step_fused(running, generator, stats)
         self._drafts_to_host()
-        self._last_step_end = None  # adaptive K times fused steps only
         return self._step_by_step(running, generator, stats)
 
     def forget(self, seq: Sequence) -> None:
@@ -382,7 +380,6 @@ class ModelRunner:
     def end_run(self) -> dict[int, int]:
         """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
-        self._last_step_end = None
         if not (self.cfg.adaptive_k and self.k):
             return {b: self.k for b in self.batch_sizes}
         return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
@@ -403,9 +400,9 @@ class ModelRunner:
             return self.force_k
         if not (self.cfg.adaptive_k and self.k):
             return self.k
-        if not any(self.acceptance.offered):
-            # No draft verified yet: acceptance is learned only from drafts, and the prior (1/2 a position) can
-            # favour K = 0, which would then learn nothing until an exploration. Draft K_max first.
+        if self.acceptance.offered[0] < LEARN_DRAFTS:
+            # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
+            # then learn only from explorations. Draft K_max until some have been verified.
             return self.k
         return self.adaptive.k_for(bucket, self.acceptance.rates())
 
@@ -532,12 +529,14 @@ class ModelRunner:
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         end = time.perf_counter()
         stats.host_seconds += (t1 - t0) + (end - t2)
-        if self.cfg.adaptive_k and self.force_k is None:
-            # What this K costs the engine: the wall time since the previous step, prefills and batch rebuilds
-            # included (requests that finish at different steps join one by one, each a prefill of its own).
-            since = end - self._last_step_end if self._last_step_end is not None else t2 - t1
-            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, since)
-        self._last_step_end = end
+        if self.cfg.adaptive_k and self.force_k is None and (
+                b == self.bucket_for(b) or not self.shapes.dynamic_batch):
+            # What this K costs: the step itself, graph and host (a batch rebuild included), not the prefills
+            # between steps: every request is prefilled once whatever K decodes it, a cost per token that does not
+            # change which K yields the most. Dynamic-batch backends count only a full bucket's steps: they run
+            # the live rows, and a draining queue's steps (rows falling to 1) would drag the bucket's figure for the
+            # running K far below what the next full batch pays.
+            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, end - t0)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------

@@ -34,9 +34,16 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
 
+#: pseudo-drafts each position's acceptance starts from
+PRIOR_WEIGHT = 2
+
+
 @dataclass
 class AcceptanceTracker:
-    """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted), Laplace-smoothed."""
+    """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted), smoothed by
+    ``PRIOR_WEIGHT`` pseudo-drafts at the rate of the position before (1/2 for the first). Deep positions are
+    verified only when a K that reaches them runs; under a flat prior of 1/2 a policy running a low K would judge a
+    high one by that prior and never pick it, while MTP heads' conditional acceptance holds or rises with depth."""
 
     offered: list[int]
     accepted: list[int]
@@ -52,7 +59,11 @@ class AcceptanceTracker:
                 self.accepted[j] += j < num_accepted
 
     def rates(self) -> list[float]:
-        return [(a + 1) / (o + 2) for a, o in zip(self.accepted, self.offered)]
+        rates, prior = [], 0.5
+        for a, o in zip(self.accepted, self.offered):
+            prior = (a + PRIOR_WEIGHT * prior) / (o + PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
 
 
 @dataclass

@@ -4,8 +4,9 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_SMOOTHING, EXPLORE_STEPS, OBSERVE_CLIP,
-                                  AdaptiveK, choose_k, expected_tokens_per_step, speedup_limit)
+from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS,
+                                  OBSERVE_CLIP, SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step,
+                                  speedup_limit)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -73,20 +74,28 @@ def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts)
     eng = _engine(trained_dir, 3, fused=True, adaptive=True)
     eng.warmup(progress=False)
     assert set(eng.step_seconds) == {1, 2, 4} and all(set(v) == {0, 1, 2, 3} for v in eng.step_seconds.values())
+    warm = dict(eng.step_seconds[4])
     ref, _, _ = _engine(trained_dir, 0, fused=False).generate(prompts, SamplingParams(), MAX_TOKENS)
     got, stats, _ = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert set(stats.k_by_bucket) == {1, 2, 4} and all(0 <= k <= 3 for k in stats.k_by_bucket.values())
     assert sum(stats.steps_per_k.values()) == stats.num_steps
+    assert eng.step_seconds[4] != warm  # four rows ran: the bucket's figures follow its steps
+    # Three rows in the 4-row bucket run three rows (dynamic batch): such steps say nothing of a full bucket.
+    seen = dict(eng.step_seconds[4])
+    eng.generate(prompts[:3], SamplingParams(), MAX_TOKENS[:3], max_num_seqs=3)
+    assert eng.step_seconds[4] == seen
 
 
-def test_adaptive_k_drafts_k_max_until_a_draft_is_verified(trained_dir):
-    """Acceptance is learnt only from drafts: with none verified yet K_max runs, even where the prior (1/2 a
-    position) and the costs favour K = 0 (which would learn nothing until an exploration)."""
+def test_adaptive_k_drafts_k_max_until_drafts_are_verified(trained_dir):
+    """Acceptance is learnt only from drafts: until LEARN_DRAFTS are verified K_max runs, even where the prior
+    (1/2 a position) and the costs favour K = 0 (which would learn only from explorations)."""
     runner = _engine(trained_dir, 3, fused=True, adaptive=True).runner
     runner.adaptive.step_seconds[1] = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}
+    for _ in range(LEARN_DRAFTS - 1):
+        runner.acceptance.record(3, 0)  # verified, rejected
     assert runner._k_for(1) == 3
-    runner.acceptance.record(3, 0)  # a first verified draft, rejected
+    runner.acceptance.record(3, 0)
     assert runner._k_for(1) == 0
 
 
@@ -113,20 +122,37 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     first = next(i for i, k in enumerate(ks) if k)
     assert ks[first: first + EXPLORE_STEPS] == [ks[first]] * EXPLORE_STEPS
     assert speedup_limit(policy.step_seconds[1], good, 2) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
-    # measured steps move a bucket's costs: a warm-up figure that was too high does not rule K out for good
-    for _ in range(100):
+    # an explored K's own figure moves: a warm-up figure that was too high does not rule K out for good
+    for _ in range(20):
         policy.observe(8, 1, 1.05)
     assert policy.step_seconds[8][1] == pytest.approx(1.05, rel=1e-3) and policy.k_for(8, poor) == 1
-    # an explored K's figure moves further per step than the chosen one's (measured twice in EXPLORE_EVERY)
-    policy.step_seconds[8][2] = 2.0
-    policy.observe(8, 2, 1.0)
-    policy.observe(8, 1, 1.55)
-    assert policy.step_seconds[8][2] == pytest.approx(2.0 - EXPLORE_SMOOTHING)
-    assert policy.step_seconds[8][1] == pytest.approx(1.05 + COST_SMOOTHING * 0.5, rel=1e-3)
-    # one slow step (a request's prefill in its wall time) moves the cost by a bounded step, not by the spike
-    before = policy.step_seconds[8][1]
-    policy.observe(8, 1, 50 * before)
-    assert policy.step_seconds[8][1] == pytest.approx(before * (1 + COST_SMOOTHING * (OBSERVE_CLIP - 1)))
+    assert policy.step_seconds[8][0] == 1.0 and policy.step_seconds[8][2] == 2.8  # the others' stay
+
+
+def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded_step():
+    policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.5, 2: 2.0}}, chosen={8: 2})
+    # the running K's steps measure drift every K shares (the machine's speed): all figures follow, ratios kept
+    policy.observe(8, 2, 2.2)
+    scale = 1 + COST_SMOOTHING * 0.1
+    assert policy.step_seconds[8] == pytest.approx({0: scale, 1: 1.5 * scale, 2: 2.0 * scale})
+    # an explored K's step moves its own figure further (it is measured two steps in EXPLORE_EVERY)
+    policy.observe(8, 0, 0.9 * scale)
+    assert policy.step_seconds[8][0] == pytest.approx(scale * (1 - 0.1 * EXPLORE_SMOOTHING))
+    # one slow step (the machine stalled) moves the figures by a bounded step, not by the spike
+    before = dict(policy.step_seconds[8])
+    policy.observe(8, 2, 50 * before[2])
+    bound = 1 + COST_SMOOTHING * (OBSERVE_CLIP - 1)
+    assert policy.step_seconds[8] == pytest.approx({k: v * bound for k, v in before.items()})
+
+
+def test_adaptive_k_speculates_only_for_a_margin_and_does_not_flip_on_near_ties():
+    costs = {0: 1.0, 1: 1.6, 2: 2.0}
+    at = {k: expected_tokens_per_step([0.62, 0.5], k) / c for k, c in costs.items()}
+    assert at[1] > at[0] and at[1] < (1 + SWITCH_MARGIN) * at[0]  # K = 1 better, but by less than the margin
+    policy = AdaptiveK(2, step_seconds={8: dict(costs)})
+    assert policy.k_for(8, [0.62, 0.5]) == 0  # plain decoding is the incumbent
+    assert choose_k(costs, [0.62, 0.5]) == 1  # with no incumbent the best K wins outright
+    assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
 
 
 def test_acceptance_tracker_counts_conditional_rates():
@@ -134,7 +160,9 @@ def test_acceptance_tracker_counts_conditional_rates():
     t.record(3, 1)  # draft 0 accepted, draft 1 rejected, draft 2 never reached
     t.record(3, 3)
     assert t.offered == [2, 2, 1] and t.accepted == [2, 1, 1]
-    assert t.rates() == pytest.approx([3 / 4, 2 / 4, 2 / 3])
+    # each position smoothed towards the one before it: (accepted + 2 × prior) / (offered + 2)
+    assert t.rates() == pytest.approx([3 / 4, (1 + 2 * 3 / 4) / 4, (1 + 2 * 5 / 8) / 3])
+    assert AcceptanceTracker.empty(2).rates() == [0.5, 0.5]
 
 
 def test_live_blocks_cover_the_longest_request():
