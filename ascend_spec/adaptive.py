@@ -13,11 +13,12 @@ scales the whole bucket's figures, so K values that are not running do not keep 
 What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
 steps at another K, each K in turn (the first step drafts, the second verifies), and that K's own figure moves.
 
-K = 0, plain decoding, is the incumbent: speculation must be expected to yield ``SWITCH_MARGIN`` more per second to
-be chosen, and a running K gives way only to one that beats it by as much. Near-ties (batch 8-16 on the 2-core CPU,
-where every K is within a few per cent a step) then cost nothing, and what the per-step figures do not hold —
-speculating requests finish at different steps, so a finite queue drains with part of the batch idle — weighs on
-the side of not speculating.
+A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (the first incumbent is
+K_max, which runs while acceptance is learned): near-ties (batch 8-16 on the 2-core CPU, where every K is within a
+few per cent a step) then do not flip K every few steps, each flip paying a batch rebuild. Making K = 0 the first
+incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later ones, could
+then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
+plain decoding where K = 3 ran 1.27x).
 """
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ EXPLORE_SMOOTHING = 0.5
 #: a step's time counts at most this multiple of its K's running cost: one stalled step (a noisy neighbour, the
 #: allocator) must not move a bucket's figures far
 OBSERVE_CLIP = 1.5
-#: a bucket leaves its running K (at first K = 0) only for one expected to yield this much more per second:
+#: a bucket leaves its running K (at first K_max) only for one expected to yield this much more per second:
 #: near-equal estimates must not flip K every few steps, and each flip costs (the batch is rebuilt, and the first
 #: step at a higher K has fewer drafts to verify)
 SWITCH_MARGIN = 0.05
-#: first-position drafts verified (K_max running) before a bucket chooses its K
-LEARN_DRAFTS = 32
+#: first-position drafts verified (K_max running) before buckets choose their K: a request's first tokens are a
+#: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
+#: K = 0 runs, acceptance is learned only from explorations
+LEARN_DRAFTS = 128
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
@@ -92,7 +95,7 @@ class AdaptiveK:
         if not costs:
             return self.k_max
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        k = self.chosen[bucket] = choose_k(costs, acceptance, self.chosen.get(bucket, 0))
+        k = self.chosen[bucket] = choose_k(costs, acceptance, self.chosen.get(bucket, self.k_max))
         if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position.

@@ -145,12 +145,14 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     assert policy.step_seconds[8] == pytest.approx({k: v * bound for k, v in before.items()})
 
 
-def test_adaptive_k_speculates_only_for_a_margin_and_does_not_flip_on_near_ties():
-    costs = {0: 1.0, 1: 1.6, 2: 2.0}
+def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
+    costs = {0: 1.0, 1: 1.6, 2: 1.98}
     at = {k: expected_tokens_per_step([0.62, 0.5], k) / c for k, c in costs.items()}
+    assert max(at.values()) < (1 + SWITCH_MARGIN) * at[2]  # every K within the margin of K = 2
     assert at[1] > at[0] and at[1] < (1 + SWITCH_MARGIN) * at[0]  # K = 1 better, but by less than the margin
-    policy = AdaptiveK(2, step_seconds={8: dict(costs)})
-    assert policy.k_for(8, [0.62, 0.5]) == 0  # plain decoding is the incumbent
+    policy = AdaptiveK(2, step_seconds={8: dict(costs)}, chosen={8: 0})
+    assert policy.k_for(8, [0.62, 0.5]) == 0  # K = 1 is better, but not by the margin: K = 0 keeps running
+    assert AdaptiveK(2, step_seconds={8: dict(costs)}).k_for(8, [0.62, 0.5]) == 2  # K_max, the first incumbent
     assert choose_k(costs, [0.62, 0.5]) == 1  # with no incumbent the best K wins outright
     assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
 
