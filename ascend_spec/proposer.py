@@ -98,6 +98,9 @@ class MtpProposer:
     def propose(self, inputs: DraftInputs, return_logits: bool = False
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Draft ``[B, K]`` token ids (and, if asked, their ``[B, K, V]`` logits) for a verified batch."""
+        if return_logits and self.model.greedy_head is not None:
+            raise ValueError("propose(return_logits=True): this model drafts through a vocabulary-parallel greedy "
+                             "head (model.greedy_head), which gathers no logits")
         ids, logits = self._run_draft(*self._draft_args(inputs))
         return (ids, logits) if return_logits else ids
 

@@ -89,6 +89,7 @@ class DrafterStats:
     backend: str = ""
     weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
     quantization: str = ""  # vLLM's quant method for the checkpoint ("": none); our draft runs vLLM's layers
+    vocab_parallel_greedy: bool = False  # TP > 1: each draft token and its embedding in one all-gather
     # async-scheduling conditions (collect_stats only)
     steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
@@ -186,6 +187,7 @@ class AscendSpecMtpMixin:
         self._ascend_model = mtp_model_on_vllm(self.model, cfg, self._ascend_tp, self.device, moe_context,
                                                opaque_moe=self.device.type != "npu")
         self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
+        self.ascend_stats.vocab_parallel_greedy = self._ascend_model.greedy_head is not None
 
     def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)

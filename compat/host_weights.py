@@ -14,6 +14,11 @@ MTP path with vLLM's objects:
   vocab-parallel embedding, the lm_head through vLLM's ``LogitsProcessor`` (all-gathered logits on every rank),
   and the whole ``DeepseekV2MoE`` (router, FusedMoE's routed experts, shared experts, their reduction).
 
+Under tensor parallelism the greedy draft token and, for the next draft position, its embedding come from one
+all-gather of each rank's best candidate (:mod:`~ascend_spec.graph.vocab_parallel`) instead of the logits
+all-gather plus the embedding all-reduce: one collective fewer per draft position after the first, and no
+vocabulary-wide gather. Tokens and embeddings are bit for bit the gathered ones.
+
 vLLM's FusedMoE finds itself through vLLM's forward context, so the MoE runs inside one (the adapter's, set the
 way vLLM's proposer sets it: the padded token count) and, where our graph is compiled by inductor, as an opaque
 op: its kernels stay vLLM's and no compiled graph guards on the per-step context. The draft chain, padding,
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -32,8 +38,11 @@ from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.external import External
 from ascend_spec.graph.layers import RMSNorm
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
+from ascend_spec.graph.vocab_parallel import local_candidate, pick_candidate
 
-from .shims import CompatError
+from .shims import CompatError, vocab_parallel_slice
+
+logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
 
 
 def _linear(layer: nn.Module, name: str) -> External:
@@ -80,6 +89,7 @@ def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, devi
     model.model.embed_tokens = External(predictor.embed_tokens, "vllm embed_tokens (vocab-parallel)")
     head = mtp_layer.shared_head.head  # vLLM points it at the target's lm_head
     model.lm_head = External(lambda h: predictor.logits_processor(head, h), "vllm logits_processor(lm_head)")
+    model.greedy_head = _greedy_head_on_vllm(predictor, head, tp_size)
 
     ours = model.mtp_layer(0)
     for name in ("enorm", "hnorm"):
@@ -125,6 +135,23 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
     half = cfg.qk_rope_head_dim // 2
     attn.rope.cos_cached = cache[:, :half].to(device=device, dtype=torch.float32)
     attn.rope.sin_cached = cache[:, half:].to(device=device, dtype=torch.float32)
+
+
+def _greedy_head_on_vllm(predictor: nn.Module, head: nn.Module, tp_size: int) -> External | None:
+    """The vocabulary-parallel greedy head (token and its embedding in one all-gather), or None at TP 1 (no
+    collective to save) or where vLLM's layers do not allow it (the full-logits path then runs)."""
+    if tp_size == 1:
+        return None
+    vocab, why = vocab_parallel_slice(predictor.logits_processor, head, predictor.embed_tokens)
+    if vocab is None:
+        logger.info("ascend_spec drafter: greedy drafts all-gather full logits (%s)", why)
+        return None
+
+    def greedy(normed: torch.Tensor, with_embedding: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        candidate = local_candidate(vocab.logits(normed), vocab.start, vocab.embed if with_embedding else None)
+        return pick_candidate(vocab.all_gather(candidate), tp_size, normed.dtype)
+
+    return External(greedy, "vllm vocab-parallel greedy head (one all-gather)")
 
 
 def _moe_on_vllm(vmoe: nn.Module, moe_context: Callable[[int], ContextManager], opaque: bool) -> External:

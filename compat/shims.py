@@ -365,3 +365,48 @@ def draft_block_size(proposer: Any) -> int:
         if isinstance(size, int):
             return size
     return int(proposer.draft_attn_groups[0].kv_cache_spec.block_size)
+
+
+@dataclass(frozen=True)
+class VocabSlice:
+    """This rank's slice of a vocabulary-parallel lm_head and embedding (the same ids on both): what a greedy
+    draft needs to pick its token and embedding in one all-gather (``graph.vocab_parallel``)."""
+
+    start: int  # first global token id of the slice
+    size: int  # ids in the slice, vocabulary padding excluded
+    logits: Callable[[torch.Tensor], torch.Tensor]  # normed hidden [B, D] -> this rank's logits [B, size]
+    embed: Callable[[torch.Tensor], torch.Tensor]  # local row index [B] -> embedding rows [B, D]
+    all_gather: Callable[[torch.Tensor], torch.Tensor]  # [B, F] -> [B, tp * F], rank order
+
+
+@covers("vocab_parallel_slice")
+def vocab_parallel_slice(logits_processor: Any, head: Any, embed: Any) -> tuple[VocabSlice | None, str]:
+    """The slice, or None and why not (the drafter then gathers full logits, as vLLM's own drafter does).
+    Only vLLM's own classes qualify: a platform's replacement (vllm-ascend's) may split the vocabulary over
+    another group. This rank's logits come from vLLM's LogitsProcessor (``skip_gather``, vLLM >= 0.29): its
+    lm_head quant method, soft cap and scale, exactly the values its all-gather would have carried."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    if (type(logits_processor), type(head), type(embed)) != (LogitsProcessor, ParallelLMHead, VocabParallelEmbedding):
+        return None, (f"lm_head / embedding are {type(head).__name__} / {type(embed).__name__} "
+                      f"(a platform's layers), not vLLM's")
+    if "skip_gather" not in inspect.signature(logits_processor.forward).parameters:
+        return None, "this vLLM's LogitsProcessor cannot return a rank's own logits (skip_gather, vLLM >= 0.29)"
+    if logits_processor.logits_as_input or not logits_processor.scale > 0:
+        return None, "the logits processor rescales logits in a way a per-rank maximum does not survive"
+    hs, es = head.shard_indices, embed.shard_indices
+    if (hs.org_vocab_start_index, hs.org_vocab_end_index) != (es.org_vocab_start_index, es.org_vocab_end_index):
+        return None, "lm_head and embedding split the vocabulary differently"
+    if hs.num_added_elements or es.num_added_elements:
+        return None, "added (LoRA) vocabulary"
+    size = hs.num_org_elements
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return logits_processor(head, hidden, skip_gather=True)[..., :size]
+
+    def embed_rows(index: torch.Tensor) -> torch.Tensor:
+        return embed.quant_method.embedding(embed, index)
+
+    return VocabSlice(hs.org_vocab_start_index, size, logits, embed_rows, tensor_model_parallel_all_gather), ""

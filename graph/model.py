@@ -110,6 +110,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.model = DeepseekV3Model(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        #: a host engine's vocabulary-parallel greedy head (``compat/``), or None: ``(normed hidden [B, D],
+        #: with_embedding) -> (token [B], its embedding [B, D] or None)`` in one collective (see ``.vocab_parallel``)
+        self.greedy_head: nn.Module | None = None
 
     def set_attention_kernel(self, name: str) -> None:
         """Every layer's paged attention runs ``name`` (see :mod:`.mla_kernels`); all compute the same function."""
@@ -166,8 +169,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # -- MTP ------------------------------------------------------------------------------------
     def mtp_paged(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: torch.Tensor,
-                  step: int = 0) -> torch.Tensor:
-        emb = self.model.embed_tokens(next_token_ids)
+                  step: int = 0, emb: torch.Tensor | None = None) -> torch.Tensor:
+        """``emb``: the embedding of ``next_token_ids`` where the caller already has it (``mtp_greedy``)."""
+        if emb is None:
+            emb = self.model.embed_tokens(next_token_ids)
         return self.mtp_layer(step).forward_paged_mtp(emb, hidden, inp, cache)
 
     def mtp_dense(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
@@ -175,3 +180,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def mtp_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         return self.logits(self.mtp_layer(step).shared_head.norm(hidden))
+
+    def mtp_greedy(self, hidden: torch.Tensor, step: int, with_embedding: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Greedy draft from the MTP hidden state ``[B, D]``: ``(token [B], its embedding [B, D] or None, logits
+        [B, V])``. With a host's ``greedy_head`` the embedding comes with the token and no logits are gathered
+        (``[B, 0]``); without one the next step embeds the token itself (``emb`` None)."""
+        if self.greedy_head is None:
+            logits = self.mtp_logits(hidden, step)
+            return logits.argmax(dim=-1), None, logits
+        token, emb = self.greedy_head(self.mtp_layer(step).shared_head.norm(hidden), with_embedding)
+        return token, emb, hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)

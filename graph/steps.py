@@ -44,7 +44,8 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
     Inputs are the verified batch ``[B, Q]``: ``input_ids`` already shifted left by one with the next token
     written at ``sample_idx`` (the last accepted position of each row), the target's ``hidden`` states, its
     positions and slots (the draft cache shares the target's block table). Steps 2..K feed back the previous
-    draft token and MTP hidden state one position later; positions past ``max_model_len`` clamp to 0 and
+    draft token (and its embedding, where a vocabulary-parallel host head gathered it with the token) and MTP
+    hidden state one position later; positions past ``max_model_len`` clamp to 0 and
     write nothing (slot -1), and pad rows (``seq_lens == 0``) never write.
     """
 
@@ -55,8 +56,7 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
         h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
         idx = sample_idx.long().view(-1, 1)
         h_last = torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)  # [B, D]
-        logits = model.mtp_logits(h_last, step=0)
-        token = logits.argmax(dim=-1)
+        token, emb, logits = model.mtp_greedy(h_last, step=0, with_embedding=num_speculative_tokens > 1)
         tokens, all_logits = [token], [logits]
         pos = torch.gather(positions, 1, idx).squeeze(1)
         live = seq_lens > 0
@@ -71,9 +71,10 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens)
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
             h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,
-                                     step=step).squeeze(1)
-            logits = model.mtp_logits(h_last, step=step)
-            token = logits.argmax(dim=-1)
+                                     step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1])
+                                     ).squeeze(1)
+            token, emb, logits = model.mtp_greedy(h_last, step=step,
+                                                  with_embedding=step + 1 < num_speculative_tokens)
             tokens.append(token)
             all_logits.append(logits)
         return torch.stack(tokens, dim=1), torch.stack(all_logits, dim=1)

@@ -4,10 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import load_engine
 from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import save_model
 from ascend_spec.models import BUNDLED_MODEL_DIR, FIXTURE_MODEL_DIR
+from ascend_spec.sampling import SamplingParams
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                    kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
@@ -133,3 +136,25 @@ def npu_available() -> bool:
         return torch.npu.is_available()
     except Exception:
         return False
+
+
+def record_draft_calls(model_dir, k, prompts):
+    """Run the eager engine step by step (the proposer drafts every step, as inside vLLM) and record each padded
+    draft call: its inputs, the draft cache before it, its outputs."""
+    eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
+                                              speculative=SpeculativeConfig(num_speculative_tokens=k),
+                                              graph=TorchairGraphConfig(enabled=False, backend="eager"),
+                                              fused_step=False))
+    calls = []
+    original = eng.proposer.propose
+
+    def recording(inputs, return_logits=False):
+        before = eng.proposer.draft_cache.clone()
+        ids, logits = original(inputs, return_logits=True)
+        if inputs.target_token_ids.shape[1] == 1 + k:
+            calls.append((inputs, before, ids, logits))
+        return (ids, logits) if return_logits else ids
+
+    eng.proposer.propose = recording
+    eng.generate(prompts, SamplingParams(), [6, 9, 12, 15, 18, 21][: len(prompts)])
+    return eng.model, calls

@@ -14,7 +14,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import generate_without_recompiles, npu_available
+from .conftest import generate_without_recompiles, npu_available, record_draft_calls
 
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
@@ -29,32 +29,10 @@ def test_public_methods_keep_base_signatures():
         assert inspect.signature(getattr(MtpTorchairProposer, name)) == inspect.signature(getattr(MtpProposer, name)), name
 
 
-def _record_draft_calls(model_dir, k, prompts):
-    """Run the eager engine step by step (the proposer drafts every step, as inside vLLM) and record each padded
-    draft call: its inputs, the draft cache before it, its outputs."""
-    eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
-                                              speculative=SpeculativeConfig(num_speculative_tokens=k),
-                                              graph=TorchairGraphConfig(enabled=False, backend="eager"),
-                                              fused_step=False))
-    calls = []
-    original = eng.proposer.propose
-
-    def recording(inputs, return_logits=False):
-        before = eng.proposer.draft_cache.clone()
-        ids, logits = original(inputs, return_logits=True)
-        if inputs.target_token_ids.shape[1] == 1 + k:
-            calls.append((inputs, before, ids, logits))
-        return (ids, logits) if return_logits else ids
-
-    eng.proposer.propose = recording
-    eng.generate(prompts, SamplingParams(), [6, 9, 12, 15, 18, 21][: len(prompts)])
-    return eng.model, calls
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_inductor_draft_parity_every_bucket(trained_dir, k):
     tok = TextTokenizer(trained_dir)
-    model, calls = _record_draft_calls(trained_dir, k, [tok.encode(t) for t in TEXTS])
+    model, calls = record_draft_calls(trained_dir, k, [tok.encode(t) for t in TEXTS])
     batch_sizes = {c[0].target_token_ids.shape[0] for c in calls}
     assert {1, 2, 3, 4} <= batch_sizes  # every bucket, and 3 padded up to 4
     cache = torch.zeros_like(calls[0][1])

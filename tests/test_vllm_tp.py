@@ -1,5 +1,6 @@
 """Tensor parallel 2 inside vLLM's CPU engine: our drafter on each rank's shards, token for token vLLM's own
-deepseek_mtp (K = 1 and 2), on the bundled dense checkpoint and on the MoE + YaRN one.
+deepseek_mtp (K = 1 and 2), on the bundled dense checkpoint and on the MoE + YaRN one; our greedy drafts take
+token and embedding from one all-gather of each rank's candidate (``graph.vocab_parallel``).
 
 One core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Workers are separate processes, so the drafter's
 counters come from the per-rank stats files (``ascend_spec.stats_dir``).
@@ -81,5 +82,7 @@ def test_tp2_both_ranks_drafted_in_graph_mode(tp_runs, k):
         stats = json.loads((stats_dir / f"k{k}" / f"drafter-rank{rank}.json").read_text())
         assert stats["drafter"] == "ascend_spec" and stats["rank"] == rank, stats
         assert stats["graph_calls"] > 0 and stats["fallback_calls"] == 0 and stats["weights_owned_bytes"] == 0, stats
+        # each draft token and its embedding came from one all-gather, not the logits gather + embedding all-reduce
+        assert stats["vocab_parallel_greedy"], stats
         assert f"ascend_spec drafter rank {rank}/2: backend inductor" in log
     assert "Exception ignored" not in log
