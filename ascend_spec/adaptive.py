@@ -7,11 +7,13 @@ takes (each fused step's own time, graph and host; prefills between steps are le
 prefilled once whatever K decodes it, a cost per token that does not change which K yields the most).
 
 Two kinds of drift are told apart. What moves every K alike (the machine's speed, which drifts by ±20-30% within
-minutes on shared CPUs; the context growing; the host's share) is followed by the running K: each of its steps
+minutes on shared CPUs; the host's share) is followed by the running K: each of its steps
 scales the whole bucket's figures, so K values that are not running do not keep stale, optimistic warm-up figures
 (which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
 What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
 steps at another K, each K in turn (the first step drafts, the second verifies), and that K's own figure moves.
+The context growing is treated as shared too, which it is only roughly: a K that verifies and drafts more tokens a
+row grows dearer faster (batch 16, 2-core CPU: K = 3 held while K = 1 was cheaper per token), until explored.
 
 A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (the first incumbent is
 K_max, which runs while acceptance is learned): near-ties (batch 8-16 on the 2-core CPU, where every K is within a

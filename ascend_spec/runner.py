@@ -479,7 +479,10 @@ class ModelRunner:
     def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
         t0 = time.perf_counter()
         b = len(running)
-        k = self._k_for(self.bucket_for(b) or self.batch_sizes[-1])
+        fitted = self.bucket_for(b)
+        full = fitted == b  # the live rows fill their bucket
+        bucket = fitted or self.batch_sizes[-1]
+        k = self._k_for(bucket)
         mode = GREEDY if all(s.params.is_greedy for s in running) else RANDOM
         want_lp = any(s.params.logprobs is not None for s in running)
         ids = tuple(s.req_id for s in running)
@@ -530,13 +533,13 @@ class ModelRunner:
         end = time.perf_counter()
         stats.host_seconds += (t1 - t0) + (end - t2)
         if self.cfg.adaptive_k and self.force_k is None and (
-                b == self.bucket_for(b) or not self.shapes.dynamic_batch):
+                full or not self.shapes.dynamic_batch):
             # What this K costs: the step itself, graph and host (a batch rebuild included), not the prefills
             # between steps: every request is prefilled once whatever K decodes it, a cost per token that does not
             # change which K yields the most. Dynamic-batch backends count only a full bucket's steps: they run
             # the live rows, and a draining queue's steps (rows falling to 1) would drag the bucket's figure for the
             # running K far below what the next full batch pays.
-            self.adaptive.observe(self.bucket_for(b) or self.batch_sizes[-1], k, end - t0)
+            self.adaptive.observe(bucket, k, end - t0)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
