@@ -15,6 +15,8 @@ import yaml
 SPEC_METHODS = ("deepseek_mtp", "mtp")
 GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
 BACKENDS = ("auto", "eager", "inductor", "torchair")
+#: see ``TorchairGraphConfig.prefill_query_widths``
+DEFAULT_PREFILL_QUERY_WIDTHS = (32, 128, 512)
 
 
 class ConfigError(ValueError):
@@ -85,6 +87,11 @@ class TorchairGraphConfig:
     enable_frozen_parameter: bool = True
     enable_view_optimize: bool = True
     tiling_schedule_optimize: bool = False
+    #: prompt-chunk widths (tokens per request) that prefill and mixed batches replay a graph for, besides 1 + K:
+    #: where graphs replay one shape (torchair, CUDA graphs) each is one more graph per batch bucket and a query
+    #: pads to the next; where the query axis is dynamic (CPU) one compile serves every width up to the largest.
+    #: Wider chunks, compute-bound anyway, run eagerly; () drafts every prefill eagerly on per-shape backends.
+    prefill_query_widths: tuple[int, ...] = DEFAULT_PREFILL_QUERY_WIDTHS
 
     def __post_init__(self) -> None:
         p = "torchair_graph_config"
@@ -98,6 +105,11 @@ class TorchairGraphConfig:
         bad = [s for s in self.graph_batch_sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
         if bad:
             raise ConfigError(f"{p}.graph_batch_sizes has invalid size(s) {bad}; allowed: positive ints")
+        bad = [w for w in self.prefill_query_widths if isinstance(w, bool) or not isinstance(w, int) or w < 2]
+        if bad:
+            raise ConfigError(f"{p}.prefill_query_widths has invalid width(s) {bad}; allowed: ints >= 2 (tokens per "
+                              "request), e.g. [32, 128, 512], or [] for eager prefill drafts")
+        object.__setattr__(self, "prefill_query_widths", tuple(sorted(set(self.prefill_query_widths))))
         if self.graph_batch_sizes and self.graph_batch_sizes_init:
             raise ConfigError(f"{p}: set either graph_batch_sizes or graph_batch_sizes_init, not both")
 
@@ -122,6 +134,12 @@ class TorchairGraphConfig:
                 raise ConfigError(f"{p}.graph_batch_sizes={sizes!r}; allowed: a list of positive ints, "
                                   "e.g. [1, 2, 4, 8]")
             d["graph_batch_sizes"] = tuple(sorted(set(sizes)))
+        if "prefill_query_widths" in d:
+            widths = d["prefill_query_widths"] or ()
+            if not isinstance(widths, (list, tuple)):
+                raise ConfigError(f"{p}.prefill_query_widths={widths!r}; allowed: a list of ints >= 2, e.g. "
+                                  "[32, 128, 512], or []")
+            d["prefill_query_widths"] = tuple(widths)
         return cls(**d)
 
     @property

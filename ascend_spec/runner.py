@@ -38,7 +38,7 @@ from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_c
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
-from .graph.steps import make_target_step
+from .graph.steps import make_prefill_step, make_target_step
 from .kv_cache import KVCaches
 from .metrics import RunStats
 from .proposer import DraftInputs
@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 PREFILL_TOKENS = 4096
 TARGET_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("slot_mapping", -1),
                      BatchArg("block_table", 0, width=True), BatchArg("seq_lens", 0))
+PREFILL_BATCH_ARGS = (BatchArg("input_ids", 0, query=True), BatchArg("positions", 0, query=True),
+                      BatchArg("slot_mapping", -1, query=True), BatchArg("block_table", 0, width=True),
+                      BatchArg("seq_lens", 0), BatchArg("last_idx", 0))
 
 
 @dataclass
@@ -142,10 +145,19 @@ class ModelRunner:
         self._target_eager = make_target_step(model)
         self.target_graph = BucketedGraph(self.backend, self._target_eager, "target", self.batch_sizes,
                                           TARGET_BATCH_ARGS)
+        # Prompts replay a graph too (a query axis: dynamic on CPU, padded to a few widths where graphs replay one
+        # shape): a lone 20-token prompt of the bundled model took 23 ms eagerly, 15 ms as a graph (2-core CPU),
+        # about two decode steps of a batch of 8, and speculating requests finish apart and join one by one.
+        self._prefill_eager = make_prefill_step(model)
+        self.prefill_graph: BucketedGraph | None = None
+        if g.prefill_query_widths:
+            self.prefill_graph = BucketedGraph(self.backend, self._prefill_eager, "prefill", self.batch_sizes,
+                                               PREFILL_BATCH_ARGS, query_widths=g.prefill_query_widths)
         self.proposer: MtpTorchairProposer | None = None
         if self.spec:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
-                                                backend=self.backend, batch_sizes=self.batch_sizes)
+                                                backend=self.backend, batch_sizes=self.batch_sizes,
+                                                prefill_widths=cfg.graph.prefill_query_widths)
         self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len)
         #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
         self.adaptive = AdaptiveK(self.k)
@@ -154,6 +166,7 @@ class ModelRunner:
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
+        self._prefill_warm = False
         self._pending_drafts: dict[int, list[int]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
 
@@ -201,6 +214,9 @@ class ModelRunner:
         report = WarmupReport()
         what = (f"fused_k{'0-' if self.cfg.adaptive_k else ''}{self.k}_{'-'.join(modes)}"
                 f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k}")
+        first = self.prefill_graph is not None and not self._prefill_warm
+        if first:  # once per engine: prompts are prompts whatever the sampling modes
+            what += "_prefill_q" + "-".join(map(str, self.prefill_graph.query_widths))
         cached = (self.compile_cache.around_warmup(self.cache_key(what)) if self.compile_cache is not None
                   else nullcontext(None))
         with torch.no_grad(), cached as hit:
@@ -208,6 +224,8 @@ class ModelRunner:
                 self._warmup_fused(report, progress, modes, logprobs)
             else:
                 self._warmup_step_by_step(report, progress)
+            if first:
+                self._warmup_prefill(report, progress)
         report.cache_hit = hit
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
@@ -259,6 +277,31 @@ class ModelRunner:
             self._time_steps()
         self._batch = None
 
+    def _warmup_prefill(self, report: WarmupReport, progress: bool) -> None:
+        """Compile the prompt graph(s) and the draft chain the prompts' drafts replay: one dynamic-query graph each
+        replayed at a short and the widest width, or one per bucket and width where graphs replay one shape."""
+        graph = self.prefill_graph
+        assert graph is not None
+        t0 = time.perf_counter()
+        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
+        # first call: rows (2), query (5) and table width (3) distinct, so Dynamo gives each its own symbol
+        queries = sorted({min(5, graph.query_widths[-1]), graph.query_widths[-1]}) if graph.query_dynamic else None
+        rows = graph.max_size
+        dev = self.device
+        z = torch.zeros(rows, graph.query_widths[0], dtype=torch.long, device=dev)
+        per_row = torch.zeros(rows, dtype=torch.long, device=dev)
+        example = [z, z.clone(), torch.full_like(z, -1), torch.zeros(rows, self.max_blocks, dtype=torch.long,
+                                                                     device=dev), per_row, per_row.clone()]
+        times = graph.warmup(example, (self.caches.target,), progress=progress, widths=widths, queries=queries)
+        report.seconds_by_graph.update({f"prefill_bs{b}": t for b, t in times.items()})
+        report.graphs_compiled += len(times)
+        if self.proposer is not None and self.cfg.fused_step:  # the prompts' drafts (step by step warmed it)
+            times = self.proposer.warmup(progress=progress)
+            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
+            report.graphs_compiled += len(times)
+        report.compile_seconds += time.perf_counter() - t0
+        self._prefill_warm = True
+
     def _time_steps(self, rounds: int = 5) -> None:
         """Step cost per bucket and K for adaptive K: medians of ``rounds`` rounds, the K values interleaved in each
         so machine noise weighs on all of them alike."""
@@ -307,18 +350,19 @@ class ModelRunner:
                            torch.zeros(rows, dtype=torch.bool, device=dev),
                            SamplingTensors.greedy_batch(rows, dev))
 
-    # -- prefill (eager; the requests admitted together share one forward) ------------------------------
+    # -- prefill (a graph up to the widest prefill width; the requests admitted together share one forward) ----
     def prefill(self, seqs: list[Sequence], generator: torch.Generator | None
                 ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
         """Prefill each prompt, or for a preempted request its prompt and generated tokens (recompute); returns per
         request the token sampled at its last position, its logprob entry (if asked) and the drafts for the next
-        step. Requests go together, right-padded, up to ``PREFILL_TOKENS`` padded tokens a forward: one eager pass
-        instead of one per request (at batch 16, a fifth of the run's time went to one-by-one prefills)."""
+        step. Requests go together, right-padded, up to ``PREFILL_TOKENS`` padded tokens and the largest bucket a
+        forward: one pass instead of one per request (at batch 16, a fifth of the run's time went to one-by-one
+        prefills)."""
         out: list[tuple[int, dict[int, float] | None, list[int]]] = []
         group: list[Sequence] = []
         for seq in seqs:
             longest = max([seq.num_tokens, *(s.num_tokens for s in group)])
-            if group and longest * (len(group) + 1) > PREFILL_TOKENS:
+            if group and (longest * (len(group) + 1) > PREFILL_TOKENS or len(group) == self.batch_sizes[-1]):
                 out += self._prefill_group(group, generator)
                 group = []
             group.append(seq)
@@ -331,7 +375,7 @@ class ModelRunner:
         tokens = [s.prompt_ids + s.output_ids for s in seqs]
         lens = [len(t) for t in tokens]
         n = max(lens)
-        width = live_blocks(n + 2 * self.k, self.max_blocks)  # eager: any width, the live one is cheapest
+        width = self.width_for(n + 2 * self.k)  # the drafts write up to K positions past the prompt
         # Pad tokens repeat the row's last position and write nothing: they see only the row's own keys.
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([list(range(m)) + [m - 1] * (n - m) for m in lens], dtype=torch.long, device=dev)
@@ -340,10 +384,13 @@ class ModelRunner:
         table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
         seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
         last = seq_lens - 1
-        rows = torch.arange(len(seqs), device=dev)
+        graph = self.prefill_graph
         with torch.no_grad():
-            hidden, logits = self._target_eager(ids, pos, slots, table, seq_lens, self.caches.target)
-            last_logits = logits[rows, last]  # [B, V]
+            args = [ids, pos, slots, table, seq_lens, last]
+            served = graph is not None and graph.serves(len(seqs), n)
+            hidden, last_logits = (graph(args, (self.caches.target,)) if served
+                                   else self._prefill_eager(*args, self.caches.target))
+            hidden = hidden[:, :n]  # [B, n, D]: a graph's query may be padded wider
             token = sample(last_logits, SamplingTensors.from_params([s.params for s in seqs], dev), generator)
         firsts = token.tolist()
         entries: list[dict[int, float] | None] = [None] * len(seqs)
@@ -355,8 +402,10 @@ class ModelRunner:
                        if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         if self.proposer is None:
             return [(t, e, []) for t, e in zip(firsts, entries)]
-        # A prompt has its own length: the eager reference drafts it (its query width is no graph's).
-        drafts = self.proposer.propose_reference(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
+        inputs = DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens)
+        # The draft chain's graph where the prompt graph ran (warmed with it), else the eager reference.
+        drafts = (self.proposer.propose(inputs) if served and self.proposer.graph_serves(len(seqs), n)
+                  else self.proposer.propose_reference(inputs))
         return [(t, e, d) for t, e, d in zip(firsts, entries, drafts.tolist())]
 
     # -- decode -------------------------------------------------------------------------------------

@@ -274,7 +274,9 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
         return None
 
     def _draft_context(self, f: Any, k: int) -> Any:
-        return forward_context(self._ascend_context_fn(), self.vllm_config, f.num_reqs * (1 + k))
+        # sized as the draft runs: graph rows × query width (1 + K, or a prefill chunk padded to a graph's width)
+        return forward_context(self._ascend_context_fn(), self.vllm_config,
+                               self._ascend.graph.tokens_for(f.num_reqs, f.max_query_len))
 
     def _warmup_context(self, num_tokens: int) -> Any:
         return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens)

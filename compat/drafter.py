@@ -14,7 +14,8 @@ sizes and allocates the draft KV cache), schedules, samples the target and verif
     and slot mapping (the draft layer shares the target's KV cache group);
   * translates ``propose``'s flat inputs (``[T]`` tokens, ``[T, D]`` hidden states, ``query_start_loc``)
     into ``DraftInputs [B, Q]``: a reshape when every request verifies ``1 + K`` tokens (no host syncs;
-    the compiled bucket graph), else a ragged-to-padded repack from the host ``query_start_loc`` (eager);
+    the compiled bucket graph), else a ragged-to-padded repack from the host ``query_start_loc`` (a graph
+    too, up to the widest ``prefill_query_widths``: the query pads to a graph's width);
   * computes the next tokens itself (``prepare_next_token_ids_padded``) with the backup token at
     ``num_tokens_no_spec - 1``, and builds fresh tensors: vLLM's metadata and host buffers are only read.
 Whatever it cannot draft (dynamic K, probabilistic draft sampling) goes to vLLM's ``propose``, which
@@ -77,8 +78,8 @@ class DrafterStats:
     propose_seconds: float = 0.0
     decode_calls: int = 0  # calls where every request verified 1 + K tokens (the steady state)
     decode_seconds: float = 0.0
-    graph_calls: int = 0  # ours, through a compiled graph (decode, and prefill chunks where the query is dynamic)
-    eager_calls: int = 0  # ours, run eagerly (prefills on fixed-width backends, batches above the buckets)
+    graph_calls: int = 0  # ours, through a compiled graph (decode, and prefill chunks up to the widest graph width)
+    eager_calls: int = 0  # ours, run eagerly (wider prefill chunks, batches above the buckets)
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
@@ -215,7 +216,7 @@ class AscendSpecMtpMixin:
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
         spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
         self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
-                                           backend=backend, batch_sizes=sizes)
+                                           backend=backend, batch_sizes=sizes, prefill_widths=g.prefill_query_widths)
         self._ascend_cache_bound = False
         self.ascend_stats.buckets = list(sizes)
         self.ascend_stats.backend = backend.name

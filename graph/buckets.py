@@ -7,6 +7,12 @@ How many graphs that takes is the backend's :class:`~.backends.base.ShapePolicy`
 batch serving every bucket (inductor; on CPU rows are not even padded beyond ``min_batch``), or one per bucket
 (torchair's GE graphs).
 
+A graph with a query axis (tokens per request: 1 + K at decode, a prompt chunk's length at prefill) serves the
+widths up to its largest ``query_widths``. Where the axis is dynamic (``exact_batch`` backends: CPU inductor, eager)
+one compile serves every width; where a graph replays one recorded shape (per-shape compiles, CUDA graphs) the
+query pads with inert tokens (each argument's pad value) up to the next of ``query_widths``, one graph or capture
+per bucket and width. Wider queries run eagerly.
+
 A compiled graph that raises at run time (a backend or runtime fault) costs that step, not the engine: the
 step reruns on the eager reference, which computes the same outputs and rewrites the same cache slots with
 the same values (whatever the failed graph wrote is overwritten), so no token changes. The first failure of a
@@ -67,7 +73,7 @@ class BatchArg:
 
 class BucketedGraph:
     def __init__(self, backend: Backend, fn: Callable, prefix: str, sizes: Sequence[int],
-                 batch_args: Sequence[BatchArg]) -> None:
+                 batch_args: Sequence[BatchArg], query_widths: Sequence[int] = ()) -> None:
         if not sizes:
             raise ValueError(f"{prefix}: graph batch sizes must not be empty")
         self.backend = backend
@@ -80,8 +86,16 @@ class BucketedGraph:
         self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
                                 width=tuple(i for i, a in enumerate(self.batch_args) if a.width),
                                 query=tuple(i for i, a in enumerate(self.batch_args) if a.query))
-        self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims)
-        self._buffers: dict[str, torch.Tensor] = {}
+        if bool(self.dims.query) != bool(query_widths) or min(query_widths, default=1) < 1:
+            raise ValueError(f"{prefix}: query_widths={list(query_widths)!r}; allowed: widths >= 1, given exactly "
+                             "when an argument has a query axis")
+        #: the query widths graphs serve (see the module's docstring); empty without a query axis
+        self.query_widths = sorted(set(query_widths))
+        #: one compile serves every query width up to the largest (else: one graph per bucket and width)
+        self.query_dynamic = self.shapes.exact_batch
+        keyed = [] if self.query_dynamic or len(self.query_widths) < 2 else self.query_widths
+        self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims, keyed)
+        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         self._warned_eager = False
         self.compile_seconds: dict[int, float] = {}
         #: run-time failures of each bucket's compiled graph (each step reran eagerly)
@@ -107,15 +121,55 @@ class BucketedGraph:
         rows = sorted({max(s, self.shapes.min_batch) for s in self.sizes}, reverse=True)
         return rows[-1:] if self.shapes.dynamic_batch and not self.backend.reuses_outputs else rows
 
-    def _graph(self, rows: int) -> Callable:
-        return self.graphs[rows] if rows in self.graphs else self.graphs[self.sizes[0]]
+    def query_for(self, query: int) -> int | None:
+        """The query width a graph runs for ``query`` tokens a request; None above the largest (eager)."""
+        if query > self.query_widths[-1]:
+            return None
+        if self.query_dynamic:
+            return max(query, 2)  # a dynamic dimension of size 1 would specialise the compile: one inert token more
+        return self.query_widths[bisect.bisect_left(self.query_widths, query)]
+
+    def serves(self, batch: int, query: int | None = None) -> bool:
+        """Whether ``batch`` requests (× ``query`` tokens each, on a graph with a query axis) replay a graph."""
+        return self.bucket_for(batch) is not None and (query is None or self.query_for(query) is not None)
+
+    def tokens_for(self, batch: int, query: int) -> int:
+        """Tokens a call of ``batch`` requests × ``query`` tokens each runs: the graph's padded rows × width, or
+        the call's own where it runs eagerly (a forward context sized for the draft must say this)."""
+        rows = self.bucket_for(batch)
+        width = self.query_for(query) if self.dims.query else query
+        return batch * query if rows is None or width is None else rows * width
+
+    def _graph(self, rows: int, query: int | None) -> Callable:
+        for key in ((rows, query), rows):
+            if key in self.graphs:
+                return self.graphs[key]
+        return self.graphs[self.sizes[0]]
 
     def _buffer(self, arg: BatchArg, like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(arg.name)
-        if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype or buf.device != like.device:
+        """The persistent max-rows buffer of ``arg`` at ``like``'s trailing shape (one per query width)."""
+        key = (arg.name, tuple(like.shape[1:]))
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != like.dtype or buf.device != like.device:
             rows = max(self.max_size, self.shapes.min_batch)
             buf = torch.full((rows, *like.shape[1:]), arg.pad_value, dtype=like.dtype, device=like.device)
-            self._buffers[arg.name] = buf
+            self._buffers[key] = buf
+        return buf
+
+    def _pad(self, arg: BatchArg, x: torch.Tensor, bucket: int, width: int | None) -> torch.Tensor:
+        """``x`` padded to ``bucket`` rows (and, on a query argument, ``width`` tokens) with ``arg``'s pad value.
+        Query arguments on a dynamic axis get a fresh tensor (prompt lengths vary without bound); the others a
+        persistent buffer (one per query width where graphs replay one shape)."""
+        b = x.shape[0]
+        shape = (bucket, width, *x.shape[2:]) if arg.query else (bucket, *x.shape[1:])
+        if arg.query and self.query_dynamic:
+            buf = x.new_full(shape, arg.pad_value)
+        else:
+            buf = self._buffer(arg, x.new_empty(0, *shape[1:]))[:bucket]
+            buf[b:].fill_(arg.pad_value)
+            if arg.query:
+                buf[:b, x.shape[1]:].fill_(arg.pad_value)
+        (buf[:b, : x.shape[1]] if arg.query else buf[:b]).copy_(x)
         return buf
 
     def __call__(self, batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = ()) -> tuple:
@@ -124,20 +178,19 @@ class BucketedGraph:
                              f"({[a.name for a in self.batch_args]}), got {len(batch_inputs)}")
         b = batch_inputs[0].shape[0]
         bucket = self.bucket_for(b)
+        query = batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None
+        width = None if query is None else self.query_for(query)
         if bucket is None:
             if not self._warned_eager:
                 logger.warning("%s: batch of %d requests exceeds the largest graph bucket (%d); running eagerly",
                                self.prefix, b, self.max_size)
                 self._warned_eager = True
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
-        padded = []
-        for arg, x in zip(self.batch_args, batch_inputs):
-            buf = self._buffer(arg, x)
-            buf[:b].copy_(x)
-            buf[b:bucket].fill_(arg.pad_value)
-            padded.append(buf[:bucket])
+        if query is not None and width is None:  # wider than every graph: the caller knew (``serves``)
+            return tuple(self.eager_fn(*batch_inputs, *static_inputs))
+        padded = [self._pad(arg, x, bucket, width) for arg, x in zip(self.batch_args, batch_inputs)]
         try:
-            outputs = self._graph(bucket)(*padded, *static_inputs)
+            outputs = self._graph(bucket, width)(*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
             note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
@@ -150,12 +203,17 @@ class BucketedGraph:
                queries: Sequence[int] | None = None) -> dict[int, float]:
         """Compile (and on CUDA capture) every graph, with all rows padded (inert). ``widths``: the block-table
         widths to replay (see :func:`warm_widths`); ``queries``: the query widths, each replayed at the narrowest
-        table (a dynamic query axis: the widths prefills take); default the examples' own."""
+        table (a dynamic query axis: the widths prefills take); default the examples' own, and on a graph with a
+        query axis that replays one shape per key, every one of ``query_widths``."""
+        if queries is None and self.query_widths and not self.query_dynamic:
+            queries = self.query_widths
         for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
             start = time.perf_counter()
             # Query widths first (the first call compiles: a query width of 1 + K could equal the row count and
             # share its symbol), at the narrowest table: a wide query over a long context is a large warm-up.
             shapes = [((widths or [None])[0], q) for q in queries or []] + [(w, None) for w in widths or [None]]
+            if queries and not self.query_dynamic:
+                shapes = [(w, q) for q in queries for w in widths or [None]]
             for width, query in shapes:
                 padded = []
                 for arg, x in zip(self.batch_args, example_batch_inputs):
@@ -164,7 +222,11 @@ class BucketedGraph:
                     if query is not None and arg.query:
                         x = x.new_zeros(x.shape[0], query, *x.shape[2:])
                     padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
-                self._graph(size)(*padded, *static_inputs)
+                self._graph(size, query if query is not None else self._example_query(example_batch_inputs))(
+                    *padded, *static_inputs)
             self.compile_seconds[size] = time.perf_counter() - start
             logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
         return dict(self.compile_seconds)
+
+    def _example_query(self, batch_inputs: Sequence[torch.Tensor]) -> int | None:
+        return batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None

@@ -2,6 +2,7 @@
 
 - ``target_step``: one target forward of ``[B, Q]`` tokens (decode: Q = 1; verify: Q = 1 + K).
 - ``draft_step``: the MTP proposer's whole K-token chain for ``[B, Q]`` verified tokens.
+- ``prefill_step``: the target over prompts (``[B, Q]``, Q a dynamic or bucketed query width).
 Both are plain functions over tensors (the model is closed over), so the same definition runs eagerly,
 under torch.compile (inductor / CUDA graphs) and under torchair.
 """
@@ -34,6 +35,22 @@ def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
         return hidden, model.logits(hidden)
 
     return target_step
+
+
+def make_prefill_step(model: DeepseekV3ForCausalLM) -> TargetStep:
+    """A prompt's target forward over ``[B, Q]`` tokens (rows right-padded with inert tokens): the hidden states
+    at every position (the MTP layer drafts from them) and the logits at each row's ``last_idx`` only, one
+    vocabulary product per request instead of one per prompt token."""
+
+    def prefill_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, last_idx: torch.Tensor,
+                     caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+        hidden = model.target_paged(input_ids, inp, list(caches))
+        idx = last_idx.long().view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+        return hidden, model.logits(torch.gather(hidden, 1, idx).squeeze(1))
+
+    return prefill_step
 
 
 def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, max_model_len: int) -> DraftStep:

@@ -158,3 +158,24 @@ def record_draft_calls(model_dir, k, prompts):
     eng.proposer.propose = recording
     eng.generate(prompts, SamplingParams(), [6, 9, 12, 15, 18, 21][: len(prompts)])
     return eng.model, calls
+
+
+def prefill_inputs(model, lengths: list[int], width: int, seed: int = 0):
+    """A prompt-prefill draft batch, ragged ``lengths`` right-padded to ``width`` with inert tokens: each row owns
+    blocks of its own; the shapes vLLM's prefill proposes with."""
+    from ascend_spec.graph.steps import slots_for
+    from ascend_spec.proposer import DraftInputs
+
+    gen = torch.Generator().manual_seed(seed)
+    b, blocks = len(lengths), 8
+    lens = torch.tensor(lengths)
+    valid = torch.arange(width).view(1, -1) < lens.view(-1, 1)
+    table = torch.arange(b * blocks).view(b, blocks) + 1
+    pos = torch.where(valid, torch.arange(width).expand(b, -1), 0)
+    return DraftInputs(
+        target_token_ids=torch.where(valid, torch.randint(1, model.cfg.vocab_size, (b, width), generator=gen), 0),
+        target_positions=pos,
+        target_hidden_states=torch.randn(b, width, model.cfg.hidden_size, generator=gen) * valid.unsqueeze(-1),
+        target_slot_mapping=torch.where(valid, slots_for(pos, table), -1),
+        next_token_ids=torch.randint(1, model.cfg.vocab_size, (b,), generator=gen),
+        token_indices_to_sample=lens - 1, block_table=table, seq_lens=lens)

@@ -14,7 +14,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import generate_without_recompiles, npu_available, record_draft_calls
+from .conftest import generate_without_recompiles, npu_available, prefill_inputs, record_draft_calls
 
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
@@ -137,32 +137,10 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
-def _prefill_inputs(model, lengths: list[int], width: int, seed: int = 0):
-    """A prompt-prefill draft batch, ragged ``lengths`` right-padded to ``width`` with inert tokens: each row owns
-    blocks of its own; the shapes vLLM's prefill proposes with."""
-    from ascend_spec.graph.steps import slots_for
-    from ascend_spec.proposer import DraftInputs
-
-    gen = torch.Generator().manual_seed(seed)
-    b, blocks = len(lengths), 8
-    lens = torch.tensor(lengths)
-    valid = torch.arange(width).view(1, -1) < lens.view(-1, 1)
-    table = torch.arange(b * blocks).view(b, blocks) + 1
-    pos = torch.where(valid, torch.arange(width).expand(b, -1), 0)
-    return DraftInputs(
-        target_token_ids=torch.where(valid, torch.randint(1, model.cfg.vocab_size, (b, width), generator=gen), 0),
-        target_positions=pos,
-        target_hidden_states=torch.randn(b, width, model.cfg.hidden_size, generator=gen) * valid.unsqueeze(-1),
-        target_slot_mapping=torch.where(valid, slots_for(pos, table), -1),
-        next_token_ids=torch.randint(1, model.cfg.vocab_size, (b,), generator=gen),
-        token_indices_to_sample=lens - 1, block_table=table, seq_lens=lens)
-
-
 def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):
-    """Prompt prefills (any query width up to MAX_GRAPH_QUERY) replay the one compiled draft graph: drafts equal
-    the eager reference's, cache writes equal, and no width compiles after warm-up."""
-    from ascend_spec.torchair_proposer import MAX_GRAPH_QUERY
-
+    """Prompt prefills (any query width up to the widest prefill width) replay the one compiled draft graph:
+    drafts equal the eager reference's, cache writes equal, and no width compiles after warm-up."""
+    widest = TorchairGraphConfig().prefill_query_widths[-1]
     model = load_model(trained_dir)
     k = 2
     spec = SpeculativeConfig(num_speculative_tokens=k)
@@ -172,11 +150,12 @@ def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):
                                    batch_sizes=[1, 2, 4])
     compiled.warmup(progress=False)
     assert compiled.graph_serves(3, 40) and compiled.graph_serves(1, 1)
-    assert not compiled.graph_serves(3, MAX_GRAPH_QUERY + 1) and not compiled.graph_serves(5, 1 + k)
+    assert compiled.graph_serves(3, widest) and compiled.graph.tokens_for(3, 40) == 3 * 40
+    assert not compiled.graph_serves(3, widest + 1) and not compiled.graph_serves(5, 1 + k)
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
         for lengths, width in [([7, 13, 2], 13), ([1], 1), ([40, 9], 40), ([5, 5, 5, 5], 5), ([3, 1 + k], 1 + k)]:
-            inputs = _prefill_inputs(model, lengths, width, seed=width)
+            inputs = prefill_inputs(model, lengths, width, seed=width)
             eager_cache.zero_()
             graph_cache.zero_()
             ids, logits = eager.propose(inputs, return_logits=True)

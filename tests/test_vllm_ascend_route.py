@@ -253,13 +253,14 @@ class RecordingDraft:
         self.num_speculative_tokens = k
         self.draft_cache = cache
         self.inputs = []
-        self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4)
+        self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
+                                           tokens_for=lambda b, q: (b + b % 2) * max(q, 8))  # even rows, q >= 8
         # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
         self.backend = types.SimpleNamespace(shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
                                                                 trim_context=False))
 
-    def graph_serves(self, batch: int, query: int) -> bool:  # torchair: one query width, 1 + K
-        return query == 1 + self.num_speculative_tokens and self.graph.bucket_for(batch) is not None
+    def graph_serves(self, batch: int, query: int) -> bool:  # prompt chunks up to 32 tokens replay a graph
+        return query <= 32 and self.graph.bucket_for(batch) is not None
 
     def propose(self, inputs):
         self.inputs.append(inputs)
@@ -314,9 +315,9 @@ def test_propose_translates_a_decode_step_into_draft_inputs(release):
     assert x.token_indices_to_sample.tolist() == [1, 2]  # flat [1, 5] made per-request
     assert x.next_token_ids.tolist() == [91, 92] and x.seq_lens.tolist() == [13, 23]
     assert x.block_table.shape == (2, 4) and x.block_table[:, :2].tolist() == [[3, 4], [5, 6]]  # 64 / 16 blocks
-    # drafted inside vllm-ascend's forward context, sized for the draft
+    # drafted inside vllm-ascend's forward context, sized as the draft's graph runs (rows and width padded)
     (name, args), = fc.CALLS
-    assert name == "set_ascend_forward_context" and args["num_tokens"] == 6 and args["is_draft_model"] is True
+    assert name == "set_ascend_forward_context" and args["num_tokens"] == 16 and args["is_draft_model"] is True
     assert args["attn_metadata"] is None and args["vllm_config"] is d.vllm_config
 
 
@@ -326,7 +327,8 @@ def test_propose_repacks_a_ragged_prefill_step(release):
     (x,) = d._ascend.inputs
     assert x.target_token_ids.tolist() == [[10, 11, 12, 13], [14, 0, 0, 0]]
     assert x.target_slot_mapping.tolist() == [[100, 101, 102, 103], [104, -1, -1, -1]]
-    assert x.token_indices_to_sample.tolist() == [3, 0] and d.ascend_stats.eager_calls == 1
+    assert x.token_indices_to_sample.tolist() == [3, 0]
+    assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.eager_calls == 0  # a 4-token chunk: a graph's width
 
 
 def test_propose_hands_what_it_cannot_draft_to_vllm_ascend(release):

@@ -226,6 +226,8 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
+                    help="torchair_graph_config.prefill_query_widths (default the config's; none: eager prompts)")
     args = ap.parse_args()
     if min(args.ks) < 1:
         ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
@@ -236,7 +238,9 @@ def main() -> None:
     k_max = max(args.ks)
     cfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batches),
                        speculative=SpeculativeConfig(num_speculative_tokens=k_max),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches))),
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches)),
+                                                 **({} if args.prefill_widths is None
+                                                    else {"prefill_query_widths": tuple(args.prefill_widths)})),
                        adaptive_k=True)
     eng = Engine(model, cfg)
     eng.eos_token_id = None  # every request generates max_tokens: the same work for every contender

@@ -69,12 +69,18 @@ def clone_with_name(fn: GraphFn, name: str) -> GraphFn:
 
 
 def compile_per_bucket(backend: Backend, fn: GraphFn, prefix: str, sizes: list[int],
-                       dims: DynamicDims | None = None) -> dict[int, GraphFn]:
-    """One graph per bucket; on a dynamic-batch backend one graph shared by every bucket."""
+                       dims: DynamicDims | None = None, queries: list[int] | None = None
+                       ) -> dict[int | tuple[int, int], GraphFn]:
+    """One graph per bucket (and per query width of ``queries``: keys ``(size, query)``); on a dynamic-batch
+    backend one graph shared by every bucket."""
     if backend.shapes.dynamic_batch:
         graph = backend.compile(clone_with_name(fn, prefix), prefix, dims)
         return {size: graph for size in sizes}
-    return {size: backend.compile(clone_with_name(fn, f"{prefix}_bs{size}"), f"{prefix}_bs{size}") for size in sizes}
+    if queries:
+        tags = {(size, q): f"{prefix}_bs{size}_q{q}" for size in sizes for q in queries}
+    else:
+        tags = {size: f"{prefix}_bs{size}" for size in sizes}
+    return {key: backend.compile(clone_with_name(fn, tag), tag) for key, tag in tags.items()}
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
