@@ -95,7 +95,7 @@ class BucketedGraph:
         self.query_dynamic = self.shapes.exact_batch
         keyed = [] if self.query_dynamic or len(self.query_widths) < 2 else self.query_widths
         self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims, keyed)
-        self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, int | None], torch.Tensor] = {}
         self._warned_eager = False
         self.compile_seconds: dict[int, float] = {}
         #: run-time failures of each bucket's compiled graph (each step reran eagerly)
@@ -147,28 +147,27 @@ class BucketedGraph:
         return self.graphs[self.sizes[0]]
 
     def _buffer(self, arg: BatchArg, like: torch.Tensor) -> torch.Tensor:
-        """The persistent max-rows buffer of ``arg`` at ``like``'s trailing shape (one per query width)."""
-        key = (arg.name, tuple(like.shape[1:]))
+        """The persistent max-rows buffer of ``arg`` at ``like``'s trailing shape: one per query width where graphs
+        replay one shape (an input keeps its address), else one per argument, replaced when its shape changes (a
+        dynamic width must not keep a buffer for every width it has seen)."""
+        key = (arg.name, like.shape[1] if arg.query and not self.query_dynamic else None)
         buf = self._buffers.get(key)
-        if buf is None or buf.dtype != like.dtype or buf.device != like.device:
+        if buf is None or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype or buf.device != like.device:
             rows = max(self.max_size, self.shapes.min_batch)
             buf = torch.full((rows, *like.shape[1:]), arg.pad_value, dtype=like.dtype, device=like.device)
             self._buffers[key] = buf
         return buf
 
     def _pad(self, arg: BatchArg, x: torch.Tensor, bucket: int, width: int | None) -> torch.Tensor:
-        """``x`` padded to ``bucket`` rows (and, on a query argument, ``width`` tokens) with ``arg``'s pad value.
-        Query arguments on a dynamic axis get a fresh tensor (prompt lengths vary without bound); the others a
-        persistent buffer (one per query width where graphs replay one shape)."""
+        """``x`` padded to ``bucket`` rows (and, on a query argument, ``width`` tokens) with ``arg``'s pad value, in
+        the argument's buffer: warm-up and run pass the same kind of input (a view of a buffer; Dynamo guards on
+        its base)."""
         b = x.shape[0]
-        shape = (bucket, width, *x.shape[2:]) if arg.query else (bucket, *x.shape[1:])
-        if arg.query and self.query_dynamic:
-            buf = x.new_full(shape, arg.pad_value)
-        else:
-            buf = self._buffer(arg, x.new_empty(0, *shape[1:]))[:bucket]
-            buf[b:].fill_(arg.pad_value)
-            if arg.query:
-                buf[:b, x.shape[1]:].fill_(arg.pad_value)
+        trailing = (width, *x.shape[2:]) if arg.query else x.shape[1:]
+        buf = self._buffer(arg, x.new_empty(0, *trailing))[:bucket]
+        buf[b:].fill_(arg.pad_value)
+        if arg.query:
+            buf[:b, x.shape[1]:].fill_(arg.pad_value)
         (buf[:b, : x.shape[1]] if arg.query else buf[:b]).copy_(x)
         return buf
 
@@ -221,7 +220,7 @@ class BucketedGraph:
                         x = x[:, :width] if x.shape[1] >= width else x.new_zeros(x.shape[0], width)
                     if query is not None and arg.query:
                         x = x.new_zeros(x.shape[0], query, *x.shape[2:])
-                    padded.append(self._buffer(arg, x)[:size].fill_(arg.pad_value))
+                    padded.append(self._pad(arg, x[:0], size, x.shape[1] if arg.query else None))
                 self._graph(size, query if query is not None else self._example_query(example_batch_inputs))(
                     *padded, *static_inputs)
             self.compile_seconds[size] = time.perf_counter() - start

@@ -187,7 +187,10 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
-    assert report.graphs_compiled == 4  # greedy, random, greedy + logprobs, random + logprobs
+    # four fused graphs (greedy, random, greedy + logprobs, random + logprobs), the prompt graph and the draft
+    # chain the prompts' drafts replay
+    assert report.graphs_compiled == 6
+    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * 4
     assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (1, 2, 4)
                                             for m in ("greedy", "random") for lp in (False, True)}
     before = dynamo_compile_count()
@@ -242,14 +245,14 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
 
 def test_no_spec_lone_request_has_its_own_warm_graph(trained_dir, prompts):
     """K = 0 on inductor: a lone request decodes through a one-row graph (a GEMV, faster than a padded pair),
-    warmed with the dynamic-batch one; a batch draining from 3 to 1 compiles nothing."""
+    warmed with the dynamic-batch one (and the prompt graph); a batch draining from 3 to 1 compiles nothing."""
     from ascend_spec.engine import dynamo_compile_count
 
     cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=None,
                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     report = eng.warmup(progress=False)
-    assert report.graphs_compiled == 2 and eng.runner.rows_for(1, 0) == 1 and eng.runner.rows_for(3, 0) == 3
+    assert report.graphs_compiled == 3 and eng.runner.rows_for(1, 0) == 1 and eng.runner.rows_for(3, 0) == 3
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
