@@ -117,7 +117,7 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
 
 
 def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
-                   logprobs: bool = False) -> SpecStep:
+                   logprobs: bool = False, keep_hidden: bool = False) -> SpecStep:
     """The fused step for ``K = k`` drafts per request (``k = 0``: decode without speculation).
 
     Inputs (``B`` rows, pad rows have ``live`` False and write nothing):
@@ -127,9 +127,12 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     (unused in greedy mode), then the target caches and the draft cache.
     Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
-    ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``.
+    ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``;
+    with ``keep_hidden`` a ``k = 0`` step returns last the target's hidden states ``[B, D]``: it runs no MTP layer,
+    and a drafter that resumes writes the MTP cache entries of these positions from them.
     """
     phases = make_spec_phases(model, k, max_model_len, mode, logprobs)
+    keep = keep_hidden and k == 0
 
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -141,7 +144,7 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
                                         exponential)
         valid, next_input, next_start = phases.propose(input_ids, start, sampled, nd, pos, hidden, slots,
                                                        block_table, seq_lens, draft_cache)
-        return sampled, valid, next_input, next_start, *extra
+        return (sampled, valid, next_input, next_start, *extra) + ((hidden[:, 0],) if keep else ())
 
     return spec_step
 
@@ -164,10 +167,13 @@ class StepKey:
 class SpecStepGraphs:
     """Compiled fused steps, one per :class:`StepKey`, built on first use (warm-up builds the ones it is told)."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, backend: Backend, max_model_len: int) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, backend: Backend, max_model_len: int,
+                 keep_hidden: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
+        #: K = 0 steps also return the target's hidden states (an engine that drafts at other K)
+        self.keep_hidden = keep_hidden
         self._fns: dict[tuple[int, str, bool], SpecStep] = {}
         self._graphs: dict[StepKey, SpecStep] = {}
         #: run-time failures per key; each such step reran on the eager definition (same outputs, same cache writes)
@@ -183,7 +189,7 @@ class SpecStepGraphs:
         fn = self._fns.get((key.k, key.mode, key.logprobs))
         if fn is None:
             fn = self._fns[(key.k, key.mode, key.logprobs)] = make_spec_step(
-                self.model, key.k, self.max_model_len, key.mode, key.logprobs)
+                self.model, key.k, self.max_model_len, key.mode, key.logprobs, self.keep_hidden)
         return fn
 
     def get(self, key: StepKey) -> SpecStep:

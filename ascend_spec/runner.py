@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: padded tokens one eager prefill forward takes (requests admitted together share forwards up to this)
 PREFILL_TOKENS = 4096
+#: K = 0 steps a request keeps the target's hidden states of, to write their MTP cache entries when it drafts again
+#: (explorations bring every K back every ``EXPLORE_EVERY`` steps of a bucket); older positions stay unwritten
+MAX_CATCH_UP = 512
 TARGET_BATCH_ARGS = (BatchArg("input_ids", 0), BatchArg("positions", 0), BatchArg("slot_mapping", -1),
                      BatchArg("block_table", 0, width=True), BatchArg("seq_lens", 0))
 PREFILL_BATCH_ARGS = (BatchArg("input_ids", 0, query=True), BatchArg("positions", 0, query=True),
@@ -158,7 +162,8 @@ class ModelRunner:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
                                                 backend=self.backend, batch_sizes=self.batch_sizes,
                                                 prefill_widths=cfg.graph.prefill_query_widths)
-        self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len)
+        self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len,
+                                          keep_hidden=self.proposer is not None)
         #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
         self.adaptive = AdaptiveK(self.k)
         #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
@@ -168,6 +173,8 @@ class ModelRunner:
         self._batch: DeviceBatch | None = None
         self._prefill_warm = False
         self._pending_drafts: dict[int, list[int]] = {}
+        #: per request, its K = 0 steps since it last drafted: (the step's hidden states [rows, D], its row)
+        self._undrafted: dict[int, deque[tuple[torch.Tensor, int]]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
 
     @property
@@ -371,19 +378,9 @@ class ModelRunner:
     def _prefill_group(self, seqs: list[Sequence], generator: torch.Generator | None
                        ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
         dev = self.device
-        max_len = self.cfg.max_model_len
         tokens = [s.prompt_ids + s.output_ids for s in seqs]
-        lens = [len(t) for t in tokens]
-        n = max(lens)
-        width = self.width_for(n + 2 * self.k)  # the drafts write up to K positions past the prompt
-        # Pad tokens repeat the row's last position and write nothing: they see only the row's own keys.
-        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
-        pos = torch.tensor([list(range(m)) + [m - 1] * (n - m) for m in lens], dtype=torch.long, device=dev)
-        slots = torch.tensor([slots_of(s, list(range(m)), max_len) + [-1] * (n - m) for s, m in zip(seqs, lens)],
-                             dtype=torch.long, device=dev)
-        table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
-        seq_lens = torch.tensor(lens, dtype=torch.long, device=dev)
-        last = seq_lens - 1
+        n = max(len(t) for t in tokens)
+        ids, pos, slots, table, seq_lens, last = self._chunk(seqs, tokens, [0] * len(seqs))
         graph = self.prefill_graph
         with torch.no_grad():
             args = [ids, pos, slots, table, seq_lens, last]
@@ -402,11 +399,36 @@ class ModelRunner:
                        if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         if self.proposer is None:
             return [(t, e, []) for t, e in zip(firsts, entries)]
-        inputs = DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens)
-        # The draft chain's graph where the prompt graph ran (warmed with it), else the eager reference.
-        drafts = (self.proposer.propose(inputs) if served and self.proposer.graph_serves(len(seqs), n)
-                  else self.proposer.propose_reference(inputs))
+        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
         return [(t, e, d) for t, e, d in zip(firsts, entries, drafts.tolist())]
+
+    def _chunk(self, seqs: list[Sequence], tokens: list[list[int]], firsts: list[int]
+               ) -> tuple[torch.Tensor, ...]:
+        """Consecutive positions per request (``tokens[i]`` from position ``firsts[i]``), right-padded into
+        ``[B, n]``: ids, positions, slots, block table, seq_lens and each row's last index. Pad tokens repeat the
+        row's last position and write nothing: they see only the row's own keys."""
+        dev, max_len = self.device, self.cfg.max_model_len
+        lens = [len(t) for t in tokens]
+        n = max(lens)
+        ends = [f + m for f, m in zip(firsts, lens)]
+        width = self.width_for(max(ends) + 2 * self.k)  # the drafts write up to K positions past the chunk
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
+        pos = torch.tensor([list(range(f, e)) + [e - 1] * (n - m) for f, e, m in zip(firsts, ends, lens)],
+                           dtype=torch.long, device=dev)
+        slots = torch.tensor([slots_of(s, list(range(f, e)), max_len) + [-1] * (n - m)
+                              for s, f, e, m in zip(seqs, firsts, ends, lens)], dtype=torch.long, device=dev)
+        table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
+        return (ids, pos, slots, table, torch.tensor(ends, dtype=torch.long, device=dev),
+                torch.tensor([m - 1 for m in lens], dtype=torch.long, device=dev))
+
+    def _draft_chunk(self, inputs: DraftInputs) -> torch.Tensor:
+        """Drafts ``[B, K]`` for chunks of positions (a prompt, a K = 0 stretch), writing their MTP cache entries:
+        the draft chain's graph where it was warmed for chunks (with the prompt graph), else the eager reference."""
+        b, n = inputs.target_token_ids.shape
+        assert self.proposer is not None
+        if self._prefill_warm and self.proposer.graph_serves(b, n):
+            return self.proposer.propose(inputs)
+        return self.proposer.propose_reference(inputs)
 
     # -- decode -------------------------------------------------------------------------------------
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
@@ -418,6 +440,7 @@ class ModelRunner:
     def forget(self, seq: Sequence) -> None:
         """``seq`` left the batch (preempted): its drafts are void."""
         self._pending_drafts.pop(seq.req_id, None)
+        self._undrafted.pop(seq.req_id, None)
 
     def blocks_grown(self, running: list[Sequence]) -> None:
         """A running sequence gained a block: the fused path keeps the block table on device, refresh it (out of
@@ -429,6 +452,7 @@ class ModelRunner:
     def end_run(self) -> dict[int, int]:
         """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
+        self._undrafted.clear()
         if not (self.cfg.adaptive_k and self.k):
             return {b: self.k for b in self.batch_sizes}
         return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
@@ -496,6 +520,45 @@ class ModelRunner:
             sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, dev),
             logprobs=logprobs)
 
+    def _note_undrafted(self, running: list[Sequence], hidden: torch.Tensor) -> None:
+        """A K = 0 step ran no MTP layer: keep each row's hidden state (a reference to the step's output, no copy)
+        so that the MTP cache entries of this position can be written when the request drafts again."""
+        live = {s.req_id for s in running}
+        for rid in [r for r in self._undrafted if r not in live]:
+            del self._undrafted[rid]  # finished
+        for i, s in enumerate(running):
+            kept = self._undrafted.get(s.req_id)
+            if kept is None:
+                kept = self._undrafted[s.req_id] = deque(maxlen=MAX_CATCH_UP)
+            kept.append((hidden, i))
+
+    def _catch_up(self, batch: DeviceBatch, running: list[Sequence]) -> None:
+        """Requests back from K = 0 steps: write the MTP cache entries of those positions from the hidden states
+        kept (the draft chain over them as over a prompt chunk: each entry depends only on its position's hidden
+        state and next token), so that the drafts attend to a whole context, and take the chunk's drafts as this
+        step's. Without it the entries stay unwritten and acceptance collapses once a bucket has run K = 0 (bundled
+        model, batch 1: position 1 accepted 0.32 of drafts against 0.67; adaptive K then stayed at K = 0)."""
+        rows = [(i, s, self._undrafted.pop(s.req_id)) for i, s in enumerate(running) if s.req_id in self._undrafted]
+        if not rows:
+            return
+        seqs = [s for _, s, _ in rows]
+        # the kept steps verified positions num_tokens - 1 - len(kept) .. num_tokens - 2, one token each
+        firsts = [s.num_tokens - 1 - len(kept) for _, s, kept in rows]
+        tokens = [(s.prompt_ids + s.output_ids)[f: s.num_tokens - 1] for (_, s, _), f in zip(rows, firsts)]
+        ids, pos, slots, table, seq_lens, last = self._chunk(seqs, tokens, firsts)
+        n = ids.shape[1]
+        first = rows[0][2][0][0]
+        hidden = first.new_zeros(len(rows), n, first.shape[-1])
+        for r, (_, _, kept) in enumerate(rows):
+            hidden[r, : len(kept)] = torch.stack([h[i] for h, i in kept])
+        token = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
+        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
+        idx = torch.tensor([i for i, _, _ in rows], dtype=torch.long, device=self.device)
+        batch.input_ids[idx, 1:] = drafts[:, : batch.k].to(batch.input_ids.dtype)
+        batch.num_draft[idx] = batch.k
+        for i, _, _ in rows:
+            batch.num_draft_host[i] = batch.k
+
     def _drafts_to_host(self) -> None:
         """Leaving the fused path (e.g. the unpadded drafter): the step-by-step path reads drafts from the host."""
         if self._batch is None:
@@ -540,6 +603,8 @@ class ModelRunner:
                 or batch.logprobs != want_lp):
             batch = self._batch = self._build_batch(running, k, mode, want_lp)
             stats.batch_rebuilds += 1
+            if k and self._undrafted:
+                self._catch_up(batch, running)
         max_len = self.cfg.max_model_len
         # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
         width = self.width_for(max(s.num_tokens + 2 * k for s in running))
@@ -559,6 +624,7 @@ class ModelRunner:
             try:
                 with suspended_if_compiled(self.backend):
                     sampled, valid, next_input, next_start, *lp = self.spec_graphs(key, *args)
+                    hidden = lp.pop() if k == 0 and self.spec_graphs.keep_hidden else None
             finally:
                 self._count_end(counter, stats)
         t2 = time.perf_counter()
@@ -568,6 +634,9 @@ class ModelRunner:
             t2 = time.perf_counter()  # the observer's time is nobody's: not the host's either
         if self.backend.reuses_outputs:
             next_input, next_start = next_input.clone(), next_start.clone()
+            hidden = hidden.clone() if hidden is not None else None
+        if hidden is not None:
+            self._note_undrafted(running, hidden)
         # The one host transfer of the step: the tokens, for bookkeeping.
         out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
         lp_h = [t[:b].tolist() for t in lp] if lp else None

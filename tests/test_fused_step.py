@@ -282,3 +282,52 @@ def test_max_num_seqs_per_call_limits_the_running_batch(trained_dir, prompts):
     one, stats, _ = eng.generate(prompts[:3], SamplingParams(), 12, max_num_seqs=1)
     assert [o.token_ids for o in one] == [o.token_ids for o in full]
     assert stats.request_steps == stats.num_steps  # every step ran exactly one request
+
+
+def _scripted_k(eng, k_of_step) -> dict:
+    """Run ``eng``'s fused steps at ``k_of_step(step index)``; returns what the last step saw of the one request
+    (its blocks and token count)."""
+    runner, seen, count = eng.runner, {}, [0]
+    step = runner.step
+
+    def scripted(running, generator, stats):
+        runner.force_k = k_of_step(count[0])
+        count[0] += 1
+        seen.update(blocks=list(running[0].blocks), num_tokens=running[0].num_tokens)
+        return step(running, generator, stats)
+
+    runner.step = scripted
+    return seen
+
+
+@pytest.mark.parametrize("fused_backend", ["eager", "inductor"])
+def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fused_backend):
+    """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
+    positions are written from the target hidden states the K = 0 steps kept, so its draft cache equals that of an
+    engine drafting every step (a gap would be left as zeros) and greedy tokens are unchanged."""
+    from ascend_spec.graph.config import KV_BLOCK_SIZE
+
+    def engine():
+        graph = TorchairGraphConfig(enabled=fused_backend != "eager", backend=fused_backend, graph_batch_sizes=(1, 2))
+        return load_engine(trained_dir, EngineConfig(max_model_len=128, max_num_seqs=2,
+                                                     speculative=SpeculativeConfig(num_speculative_tokens=2),
+                                                     graph=graph, fused_step=True, adaptive_k=True))
+
+    def run(k_of_step):
+        eng = engine()
+        if fused_backend != "eager":
+            eng.warmup(progress=False)
+        seen = _scripted_k(eng, k_of_step)
+        out, stats, _ = eng.generate([prompts[0]], SamplingParams(), [40])
+        cache = eng.runner.caches.draft
+        # entries every verified position has (the last token's is written by the step after it)
+        slots = [seen["blocks"][p // KV_BLOCK_SIZE] * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
+                 for p in range(seen["num_tokens"] - 1)]
+        return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
+
+    resumed, resumed_cache, stats = run(lambda i: 0 if 2 <= i < 14 else 2)
+    assert stats.steps_per_k.get(0) == 12 and stats.steps_per_k.get(2)
+    drafted, drafted_cache, _ = run(lambda i: 2)
+    assert resumed == drafted
+    assert resumed_cache.shape == drafted_cache.shape
+    torch.testing.assert_close(resumed_cache, drafted_cache, atol=1e-4, rtol=1e-4)
