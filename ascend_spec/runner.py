@@ -536,8 +536,8 @@ class ModelRunner:
         """Requests back from K = 0 steps: write the MTP cache entries of those positions from the hidden states
         kept (the draft chain over them as over a prompt chunk: each entry depends only on its position's hidden
         state and next token), so that the drafts attend to a whole context, and take the chunk's drafts as this
-        step's. Without it the entries stay unwritten and acceptance collapses once a bucket has run K = 0 (bundled
-        model, batch 1: position 1 accepted 0.32 of drafts against 0.67; adaptive K then stayed at K = 0)."""
+        step's. Without it those entries stay unwritten and every later draft of the request attends over the gap
+        (the acceptance adaptive K learns from its explorations out of K = 0 fell with it)."""
         rows = [(i, s, self._undrafted.pop(s.req_id)) for i, s in enumerate(running) if s.req_id in self._undrafted]
         if not rows:
             return
