@@ -206,13 +206,15 @@ class BucketedGraph:
         query axis that replays one shape per key, every one of ``query_widths``."""
         if queries is None and self.query_widths and not self.query_dynamic:
             queries = self.query_widths
-        for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
-            start = time.perf_counter()
+        tables = list(widths or [None])
+        if queries and not self.query_dynamic:  # one graph per query width: each replays every table width
+            shapes = [(w, q) for q in queries for w in tables]
+        else:
             # Query widths first (the first call compiles: a query width of 1 + K could equal the row count and
             # share its symbol), at the narrowest table: a wide query over a long context is a large warm-up.
-            shapes = [((widths or [None])[0], q) for q in queries or []] + [(w, None) for w in widths or [None]]
-            if queries and not self.query_dynamic:
-                shapes = [(w, q) for q in queries for w in widths or [None]]
+            shapes = [(tables[0], q) for q in queries or []] + [(w, None) for w in tables]
+        for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
+            start = time.perf_counter()
             for width, query in shapes:
                 padded = []
                 for arg, x in zip(self.batch_args, example_batch_inputs):
