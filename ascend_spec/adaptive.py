@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 #: steps between explorations of another K (each costs two steps at a K that may not pay: at batch 16 on CPU a
 #: K = 3 step costs twice a plain one, so exploring every 32 steps cost ~6%)
 EXPLORE_EVERY = 64
+#: ... or, while K = 0 runs in a small bucket, ``EXPLORE_ROW_STEPS × bucket`` steps: an exploration out of K = 0
+#: is where acceptance is learned, and it verifies drafts of as many rows as the bucket has. Batch 1 exploring
+#: every 64 steps saw one draft in 32 and held K = 0 for 1,700 steps; its explorations are also the cheapest (two
+#: steps of one row, a catch-up over a few positions). Out of K > 0 an exploration only measures another K's
+#: cost, and each costs its own steps plus the drafts in flight (batch 1 every 16 steps: 0.94x the best fixed K)
+EXPLORE_ROW_STEPS = 16
 #: consecutive steps an exploration takes: one to draft, one to verify
 EXPLORE_STEPS = 2
 #: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
@@ -43,6 +49,10 @@ OBSERVE_CLIP = 1.5
 #: near-equal estimates must not flip K every few steps, and each flip costs (the batch is rebuilt, and the first
 #: step at a higher K has fewer drafts to verify)
 SWITCH_MARGIN = 0.05
+#: ... and leaves speculation (for K = 0) only for this much more: a wrong K > 0 is corrected by the acceptance its
+#: own steps bring, a wrong K = 0 only by explorations, and the return pays a catch-up. Bundled model, batch 1, a
+#: 5% margin: 209-537 of ~1,100 steps at K = 0 (prompts near break-even) and 0.93x the best fixed K
+STOP_MARGIN = 0.15
 #: first-position drafts verified (K_max running) before buckets choose their K: a request's first tokens are a
 #: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
 #: K = 0 runs, acceptance is learned only from explorations
@@ -50,6 +60,13 @@ LEARN_DRAFTS = 128
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
+
+
+def explore_every(bucket: int, running: int) -> int:
+    """Steps between explorations of a bucket of ``bucket`` rows running at K = ``running``."""
+    if running:
+        return EXPLORE_EVERY
+    return min(EXPLORE_EVERY, max(EXPLORE_STEPS + 1, EXPLORE_ROW_STEPS * bucket))
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -67,11 +84,13 @@ def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None) -> int:
     """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts).
-    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``."""
+    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN`` (K = 0 one that drafts by
+    ``STOP_MARGIN``)."""
     best = max(sorted(step_seconds), key=lambda k: (tokens_per_second(step_seconds, acceptance, k), -k))
+    margin = STOP_MARGIN if best == 0 and current else SWITCH_MARGIN
     if current in step_seconds and current != best and (
             tokens_per_second(step_seconds, acceptance, best)
-            < (1 + SWITCH_MARGIN) * tokens_per_second(step_seconds, acceptance, current)):
+            < (1 + margin) * tokens_per_second(step_seconds, acceptance, current)):
         return current
     return best
 
@@ -98,11 +117,12 @@ class AdaptiveK:
             return self.k_max
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         k = self.chosen[bucket] = choose_k(costs, acceptance, self.chosen.get(bucket, self.k_max))
-        if n % EXPLORE_EVERY >= EXPLORE_EVERY - EXPLORE_STEPS:
+        every = explore_every(bucket, k)
+        if n % every >= every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position.
             others = [j for j in sorted(costs) if j != k]
-            return others[(n // EXPLORE_EVERY) % len(others)] if others else k
+            return others[(n // every) % len(others)] if others else k
         return k
 
     def observe(self, bucket: int, k: int, seconds: float) -> None:

@@ -599,12 +599,19 @@ class ModelRunner:
         want_lp = any(s.params.logprobs is not None for s in running)
         ids = tuple(s.req_id for s in running)
         batch = self._batch
+        t_cost = t0  # where the step's cost starts, for adaptive K
         if (batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode
                 or batch.logprobs != want_lp):
+            switched = batch is not None and batch.k != k
             batch = self._batch = self._build_batch(running, k, mode, want_lp)
             stats.batch_rebuilds += 1
             if k and self._undrafted:
                 self._catch_up(batch, running)
+            if switched:
+                # A change of K pays a rebuild (and, out of K = 0, the MTP catch-up): a cost of switching, which
+                # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
+                # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
+                t_cost = time.perf_counter()
         max_len = self.cfg.max_model_len
         # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
         width = self.width_for(max(s.num_tokens + 2 * k for s in running))
@@ -652,12 +659,12 @@ class ModelRunner:
         stats.host_seconds += (t1 - t0) + (end - t2)
         if self.cfg.adaptive_k and self.force_k is None and (
                 full or not self.shapes.dynamic_batch):
-            # What this K costs: the step itself, graph and host (a batch rebuild included), not the prefills
-            # between steps: every request is prefilled once whatever K decodes it, a cost per token that does not
-            # change which K yields the most. Dynamic-batch backends count only a full bucket's steps: they run
+            # What this K costs: the step itself, graph and host (a rebuild for new requests included, not one for
+            # a new K), not the prefills between steps: every request is prefilled once whatever K decodes it, a
+            # cost per token that does not change which K yields the most. Dynamic-batch backends count only a full bucket's steps: they run
             # the live rows, and a draining queue's steps (rows falling to 1) would drag the bucket's figure for the
             # running K far below what the next full batch pays.
-            self.adaptive.observe(bucket, k, end - t0)
+            self.adaptive.observe(bucket, k, end - t_cost)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
