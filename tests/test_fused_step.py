@@ -4,10 +4,11 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS,
-                                  OBSERVE_CLIP, SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step,
-                                  speedup_limit)
+from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS, EXPLORE_SMOOTHING, EXPLORE_STEPS,
+                                  LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN, SWITCH_MARGIN, AdaptiveK, choose_k,
+                                  expected_tokens_per_step, explore_every, speedup_limit)
 from ascend_spec.graph.mla_kernels import live_blocks
+from ascend_spec.scheduler import ACCEPTANCE_WINDOW
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -157,14 +158,56 @@ def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
     assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
 
 
+def test_adaptive_k_stops_speculating_only_for_the_larger_margin():
+    """Out of K > 0, K = 0 must win by STOP_MARGIN (a wrong K = 0 is corrected only by explorations); out of
+    K = 0, drafting comes back for SWITCH_MARGIN."""
+    costs = {0: 1.0, 1: 1.6}
+    a = [0.5]  # K = 1 yields 1.5 tokens for 1.6: K = 0 is 1.067x better, inside STOP_MARGIN, above SWITCH_MARGIN
+    assert 1 + SWITCH_MARGIN < 1.6 / 1.5 < 1 + STOP_MARGIN
+    assert choose_k(costs, a, current=1) == 1
+    assert choose_k(costs, a) == 0  # with no incumbent the best K wins outright
+    assert choose_k(costs, [0.1], current=1) == 0  # 1.45x: drafts that do not pay are dropped
+    assert choose_k({0: 1.0, 1: 1.3}, [0.4], current=0) == 1  # 1.4 / 1.3 = 1.077x: back to drafting
+
+
+def test_adaptive_k_explores_out_of_k0_more_often_in_small_buckets():
+    """While K = 0 runs, explorations are where acceptance is learned: a small bucket explores every
+    EXPLORE_ROW_STEPS × bucket steps; K > 0 and large buckets every EXPLORE_EVERY."""
+    assert explore_every(1, 0) == EXPLORE_ROW_STEPS < EXPLORE_EVERY
+    assert explore_every(2, 0) == 2 * EXPLORE_ROW_STEPS
+    assert explore_every(16, 0) == explore_every(1, 3) == explore_every(16, 1) == EXPLORE_EVERY
+    policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.9, 2: 2.8}})
+    poor = [0.1, 0.1]
+    ks = [policy.k_for(1, poor) for _ in range(4 * EXPLORE_EVERY)]
+    assert policy.chosen[1] == 0
+    assert sum(k != 0 for k in ks) == 4 * EXPLORE_EVERY // EXPLORE_ROW_STEPS * EXPLORE_STEPS
+
+
 def test_acceptance_tracker_counts_conditional_rates():
     t = AcceptanceTracker.empty(3)
     t.record(3, 1)  # draft 0 accepted, draft 1 rejected, draft 2 never reached
     t.record(3, 3)
     assert t.offered == [2, 2, 1] and t.accepted == [2, 1, 1]
-    # each position smoothed towards the one before it: (accepted + 2 × prior) / (offered + 2)
-    assert t.rates() == pytest.approx([3 / 4, (1 + 2 * 3 / 4) / 4, (1 + 2 * 5 / 8) / 3])
+    # each position smoothed towards the one before it: (accepted + 2 × prior) / (offered + 2), the counts
+    # weighted by recency (the older draft by keep = 1 - 1/window)
+    keep = 1 - 1 / ACCEPTANCE_WINDOW
+    a0 = (1 + keep + 1) / (1 + keep + 2)
+    a1 = (1 + 2 * a0) / (1 + keep + 2)
+    assert t.rates() == pytest.approx([a0, a1, (1 + 2 * a1) / 3])
     assert AcceptanceTracker.empty(2).rates() == [0.5, 0.5]
+
+
+def test_acceptance_rates_follow_the_recent_drafts():
+    """The first requests' drafts do not hold the figure down for good: after a poor start, a window's worth of
+    good drafts brings the rate most of the way up, while the run's counts keep every draft."""
+    t = AcceptanceTracker.empty(1)
+    for _ in range(10 * ACCEPTANCE_WINDOW):
+        t.record(1, 0)
+    assert t.rates()[0] < 0.02  # the prior: 1 pseudo-acceptance in 66
+    for _ in range(2 * ACCEPTANCE_WINDOW):
+        t.record(1, 1)
+    assert t.rates()[0] > 0.8  # 1 - e^-2 of the way from 0 to 1, less the prior
+    assert t.offered == [12 * ACCEPTANCE_WINDOW] and t.accepted == [2 * ACCEPTANCE_WINDOW]
 
 
 def test_live_blocks_cover_the_longest_request():
