@@ -21,6 +21,11 @@ few per cent a step) then do not flip K every few steps, each flip paying a batc
 incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later ones, could
 then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
 plain decoding where K = 3 ran 1.27x).
+
+K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
+``STOP_MARGIN``; acceptance is a recent window (``scheduler.ACCEPTANCE_WINDOW``), so a few poor first requests do
+not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
+A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them).
 """
 from __future__ import annotations
 
