@@ -661,9 +661,9 @@ class ModelRunner:
                 full or not self.shapes.dynamic_batch):
             # What this K costs: the step itself, graph and host (a rebuild for new requests included, not one for
             # a new K), not the prefills between steps: every request is prefilled once whatever K decodes it, a
-            # cost per token that does not change which K yields the most. Dynamic-batch backends count only a full bucket's steps: they run
-            # the live rows, and a draining queue's steps (rows falling to 1) would drag the bucket's figure for the
-            # running K far below what the next full batch pays.
+            # cost per token that does not change which K yields the most. Dynamic-batch backends count only a
+            # full bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would
+            # drag the bucket's figure for the running K far below what the next full batch pays.
             self.adaptive.observe(bucket, k, end - t_cost)
         return StepOutput(tokens, num_draft, k, logprobs)
 
