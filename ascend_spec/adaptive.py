@@ -71,7 +71,7 @@ def explore_every(bucket: int, running: int) -> int:
     """Steps between explorations of a bucket of ``bucket`` rows running at K = ``running``."""
     if running:
         return EXPLORE_EVERY
-    return min(EXPLORE_EVERY, max(EXPLORE_STEPS + 1, EXPLORE_ROW_STEPS * bucket))
+    return min(EXPLORE_EVERY, EXPLORE_ROW_STEPS * bucket)
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -89,8 +89,8 @@ def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None) -> int:
     """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts).
-    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN`` (K = 0 one that drafts by
-    ``STOP_MARGIN``)."""
+    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and K = 0 must beat a
+    drafting K by ``STOP_MARGIN``."""
     best = max(sorted(step_seconds), key=lambda k: (tokens_per_second(step_seconds, acceptance, k), -k))
     margin = STOP_MARGIN if best == 0 and current else SWITCH_MARGIN
     if current in step_seconds and current != best and (
