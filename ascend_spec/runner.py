@@ -198,12 +198,13 @@ class ModelRunner:
         i = bisect.bisect_left(self.batch_sizes, batch)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
 
-    def rows_for(self, batch: int, k: int) -> int | None:
-        """Graph rows for ``batch`` requests at K = ``k``. A lone request decoding one token (K = 0) runs unpadded,
-        a graph of its own on dynamic-batch backends (compiled only for runs that reach it): its step measured
-        4.9-5.5 ms here against 5.7-6.0 ms for two rows (bundled model, context 128; its products take the lone
-        token as two columns, see ``graph.layers.Linear``). Every other batch pads to ``min_batch``."""
-        if k == 0 and batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes:
+    def rows_for(self, batch: int) -> int | None:
+        """Graph rows for ``batch`` requests, at any K. A lone request runs unpadded, a graph of its own on
+        dynamic-batch backends (a size-1 dimension specialises a compile; warmed with the others where 1 is a
+        bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
+        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its products
+        take a lone token as two columns, see ``graph.layers.Linear``. Every other batch pads to ``min_batch``."""
+        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes:
             return 1
         return self.target_graph.bucket_for(batch)
 
@@ -256,12 +257,11 @@ class ModelRunner:
 
     def _fused_warm_plan(self, modes: tuple[str, ...]) -> list[tuple[int, int, str]]:
         ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
-        # one row count per compiled graph (or CUDA graph capture), largest first; K = 0's lone-request graph
+        # one row count per compiled graph (or CUDA graph capture), largest first; the lone-request graphs
         sizes = self.target_graph.warm_sizes()
-        plan = [(r, k, mode) for r in sizes for k in ks for mode in modes]
-        if 0 in ks and self.rows_for(1, 0) == 1 and 1 not in sizes:
-            plan += [(1, 0, mode) for mode in modes]
-        return plan
+        if self.rows_for(1) == 1 and 1 not in sizes:
+            sizes = [*sizes, 1]
+        return [(r, k, mode) for r in sizes for k in ks for mode in modes]
 
     def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
         plan = self._fused_warm_plan(modes)
@@ -272,11 +272,13 @@ class ModelRunner:
             for rows, k, mode in plan:
                 batch = dataclasses.replace(self._inert_batch(rows, k), mode=mode, logprobs=logprobs)
                 key = self.spec_graphs.key(rows, k, mode, logprobs)
-                bar.set_postfix_str(key.tag)
+                # a dynamic-batch key's lone-request graph is its one-row specialisation
+                tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
+                bar.set_postfix_str(tag)
                 t0 = time.perf_counter()
                 for width in widths:
                     self._replay(batch, width, None)
-                report.seconds_by_graph[key.tag] = time.perf_counter() - t0
+                report.seconds_by_graph[tag] = time.perf_counter() - t0
                 bar.update()
         report.graphs_compiled = len(plan)
         report.compile_seconds = time.perf_counter() - t_all
@@ -335,7 +337,7 @@ class ModelRunner:
     def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
         """Median seconds of one fused greedy step (``bucket`` rows, K, ``context`` tokens of block table) on an
         inert batch; shapes, not data, set its cost."""
-        rows = self.rows_for(bucket, k) or bucket
+        rows = self.rows_for(bucket) or bucket
         batch = self._inert_batch(rows, k)
         width = self.width_for(context)
         with torch.no_grad():
@@ -489,7 +491,7 @@ class ModelRunner:
         (they never went to the host); requests just prefilled bring theirs from the host."""
         dev = self.device
         b = len(running)
-        rows = self.rows_for(b, k)
+        rows = self.rows_for(b)
         old = self._batch
         old_rows = {rid: i for i, rid in enumerate(old.req_ids)} if old is not None else {}
         drafts = torch.zeros(rows, k, dtype=torch.long, device=dev)

@@ -230,10 +230,10 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
-    # four fused graphs (greedy, random, greedy + logprobs, random + logprobs), the prompt graph and the draft
-    # chain the prompts' drafts replay
-    assert report.graphs_compiled == 6
-    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * 4
+    # four fused graphs (greedy, random, greedy + logprobs, random + logprobs), each for two rows and for a lone
+    # request, the prompt graph and the draft chain the prompts' drafts replay
+    assert report.graphs_compiled == 10
+    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * 8
     assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (1, 2, 4)
                                             for m in ("greedy", "random") for lp in (False, True)}
     before = dynamo_compile_count()
@@ -286,21 +286,26 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
-def test_no_spec_lone_request_has_its_own_warm_graph(trained_dir, prompts):
-    """K = 0 on inductor: a lone request decodes through a one-row graph (a GEMV, faster than a padded pair),
-    warmed with the dynamic-batch one (and the prompt graph); a batch draining from 3 to 1 compiles nothing."""
+@pytest.mark.parametrize("k", [0, 2])
+def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
+    """Inductor: a lone request runs through a one-row graph at any K (padded to two rows, a K = 2 step verified
+    and drafted twice the tokens), warmed with the dynamic-batch one (and the prompt graphs); a batch draining
+    from 3 to 1 compiles nothing and gives the step-by-step engine's tokens."""
     from ascend_spec.engine import dynamo_compile_count
 
-    cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=None,
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=spec,
                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     report = eng.warmup(progress=False)
-    assert report.graphs_compiled == 3 and eng.runner.rows_for(1, 0) == 1 and eng.runner.rows_for(3, 0) == 3
+    # two step graphs (two rows, one row), the prompt graph and, speculating, the prompts' draft chain
+    assert report.graphs_compiled == (4 if k else 3)
+    assert eng.runner.rows_for(1) == 1 and eng.runner.rows_for(3) == 3
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert dynamo_compile_count() == before and stats.host_syncs == 0
-    ref, _, _ = _engine(trained_dir, 0, fused=False, max_model_len=96).generate(prompts[:3], SamplingParams(),
+    ref, _, _ = _engine(trained_dir, k, fused=False, max_model_len=96).generate(prompts[:3], SamplingParams(),
                                                                                 [40, 10, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
