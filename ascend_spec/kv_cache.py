@@ -95,4 +95,9 @@ class KVCaches:
         shape = (num_blocks, KV_BLOCK_SIZE, cfg.latent_dim)
         target = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers))
         draft = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cuda":
+            # The pool lives as long as the engine: CUDA graphs must read and write it where it is. Unmarked, a
+            # replay copies each cache argument into the graph's own buffer first and writes the new KV there.
+            for cache in (*target, draft):
+                torch._dynamo.mark_static_address(cache)
         return cls(target, draft, BlockAllocator(num_blocks), per_seq)

@@ -13,8 +13,11 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
   live request reads, not ``max_model_len``.
 - :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (16-token KV blocks;
-  each row visits only its ``ceil(seq_len / 16)`` blocks): for static full-width tables (CUDA graphs). Eager it
-  matches the reference; compiled on CPU (torch 2.13) its output is wrong, so it is not chosen there.
+  each row visits only its ``ceil(seq_len / 16)`` blocks). Eager it matches the reference; compiled, no backend
+  can use it yet: on CPU (torch 2.13) its output is wrong, and on CUDA (torch 2.11, H100) the Triton template
+  cannot take MLA's 576-wide keys (shared memory overflows at the default tiles; a 1-3 token query block is not
+  a multiple of its 16-row tile; with both forced, the output is wrong). Kept, with its eager test, for when a
+  torch release compiles it.
 - :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` with ``block_table`` and the actual KV
   lengths, as vllm-ascend's torchair MLA decode called it (BSND, latent as ``key``/``value``, rope parts as
   ``query_rope``/``key_rope``); checked against the torch_npu 2.14 wheel's schema and composed under a stand-in

@@ -22,6 +22,9 @@ prefills, host work). Both come from the same runs because this machine's speed 
 minutes apart; interleaving is what keeps the contenders comparable. The limit a run could reach is
 ``tokens per step × graph(K=0) ÷ graph(K)``, the graph times of the interleaved runs; efficiency is the speed-up
 over it.
+``--device cuda`` runs the CUDA-graph path; there a step's graph time is its replay's launch and the GPU's work is
+waited for in the host time, so the baseline check withholds the speed-up column and the phase probe is off (a
+phase's replay would overwrite the previous phase's CUDA-graph outputs); compare tokens/s.
 Writes ``results.md``, ``results.json``, ``speedup.png`` and ``step_account.png`` into ``--out``.
 """
 from __future__ import annotations
@@ -166,6 +169,12 @@ class PhaseProbe:
         self.seconds: dict[str, list[float]] = {"verify": [], "accept": [], "draft": []}
         self.calls = 0
 
+    def clock(self) -> float:
+        """Wall time once the device has finished what was queued (CUDA runs asynchronously; the probe may sync)."""
+        if self.eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def phases(self, k: int) -> tuple:
         if k not in self.graphs:
             p = make_spec_phases(self.eng.model, k, self.eng.cfg.max_model_len, GREEDY)
@@ -185,13 +194,13 @@ class PhaseProbe:
          caches, draft_cache) = args
         with torch.no_grad():
             for warm in (True, False):  # the first call of a new shape may compile
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 pos, slots, seq_lens, nd, hidden, logits = verify(input_ids, start, num_draft, table, live, caches)
-                t1 = time.perf_counter()
+                t1 = self.clock()
                 sampled, *_ = accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)
-                t2 = time.perf_counter()
+                t2 = self.clock()
                 propose(input_ids, start, sampled, nd, pos, hidden, slots, table, seq_lens, draft_cache)
-                t3 = time.perf_counter()
+                t3 = self.clock()
         for name, t in (("verify", t1 - t0), ("accept", t2 - t1), ("draft", t3 - t2)):
             self.seconds[name].append(t)
 
@@ -202,14 +211,15 @@ def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, 
     reqs = requests_for(prompts, batch)[: REQUESTS_PER_SLOT * batch]
     tally = serve(eng, reqs, batch, max_tokens, k)
     probe = PhaseProbe(eng)
-    eng.runner.step_observer = probe
-    try:
-        serve(eng, reqs, batch, max_tokens, k)
-    finally:
-        eng.runner.step_observer = None
+    if not eng.backend.reuses_outputs:  # a phase's replay would overwrite the previous phase's CUDA-graph outputs
+        eng.runner.step_observer = probe
+        try:
+            serve(eng, reqs, batch, max_tokens, k)
+        finally:
+            eng.runner.step_observer = None
     per_step = lambda s: 1e3 * s / tally.steps  # noqa: E731
     graph, host, prefill, wall = (per_step(x) for x in (tally.graph, tally.host, tally.prefill, tally.seconds))
-    phases = {name: 1e3 * statistics.median(v) for name, v in probe.seconds.items()}
+    phases = {name: 1e3 * statistics.median(v) if v else float("nan") for name, v in probe.seconds.items()}
     draft = phases["draft"] if k else 0.0
     return {"batch": batch, "k": k, "wall_ms": wall, "graph_ms": graph, "host_ms": host, "prefill_ms": prefill,
             "loop_ms": wall - graph - host - prefill, "verify_ms": phases["verify"], "accept_ms": phases["accept"],
@@ -226,13 +236,14 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (inductor: plain on CPU, CUDA graphs on CUDA)")
     ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
                     help="torchair_graph_config.prefill_query_widths (default the config's; none: eager prompts)")
     args = ap.parse_args()
     if min(args.ks) < 1:
         ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
     torch.manual_seed(0)
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device)
     tok = TextTokenizer(args.model)
     prompts = read_prompts(args.prompts, tok)
     k_max = max(args.ks)
@@ -242,7 +253,7 @@ def main() -> None:
                                                  **({} if args.prefill_widths is None
                                                     else {"prefill_query_widths": tuple(args.prefill_widths)})),
                        adaptive_k=True)
-    eng = Engine(model, cfg)
+    eng = Engine(model, cfg, device=args.device)
     eng.eos_token_id = None  # every request generates max_tokens: the same work for every contender
     t0 = time.perf_counter()
     report = eng.warmup(progress=True)
@@ -281,12 +292,15 @@ def main() -> None:
                 limit = speedup_limit({0: one_token, k: graph_ms_per_step(ts)}, last.acceptance(), k)
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
+    machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
+               else f"{platform.machine()}, {torch.get_num_threads()} threads")
     meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "max_tokens": args.max_tokens,
+            "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
             "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": eng.step_seconds,
             "command": "python tools/bench.py --batches " + " ".join(map(str, args.batches)) + " --ks "
-                       + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"}
+                       + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"
+                       + ("" if args.device == "cpu" else f" --device {args.device}")}
     write_report(args.out, rows, list(accounts.values()), meta)
     print(f"wrote {args.out}/results.md and plots")
 

@@ -3,7 +3,9 @@
 One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions:
 inductor's kernels take the sizes as arguments, so every bucket and every context length replays the same
 artifact. On CUDA, CUDA graph trees capture one graph per batch bucket from that artifact; the block table
-keeps its full width there (a captured graph has fixed shapes) and FlexAttention visits only live blocks.
+keeps its full width there (a captured graph has fixed shapes), and attention is the gather kernel: its cost
+follows ``max_model_len`` on CUDA until a paged kernel that skips dead blocks compiles there (``flex_mla`` does
+not, see ``graph.mla_kernels``).
 
 Compile time: each decoder layer is a nested compile region (``graph.model.DecoderLayer``), so inductor
 compiles one layer body and reuses it for every layer of the same shape.
@@ -37,7 +39,7 @@ class InductorBackend:
         self.reuses_outputs = cuda
         self.shapes = (ShapePolicy(dynamic_batch=True, exact_batch=False, trim_context=False, min_batch=2) if cuda
                        else ShapePolicy(dynamic_batch=True, exact_batch=True, trim_context=True, min_batch=2))
-        self.attention_kernel = "flex" if cuda else "gather"
+        self.attention_kernel = "gather"
         #: MKL's sgemm is far faster with the few tokens of a decode step as the right operand (graph.layers.Linear)
         self.weight_left_matmul = not cuda
 
