@@ -12,6 +12,16 @@ scales the whole bucket's figures, so K values that are not running do not keep 
 (which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
 What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
 steps at another K, each K in turn (the first step drafts, the second verifies), and that K's own figure moves.
+Only an exploration moves one K's own figure: a K that runs for any other reason (K_max while acceptance is
+learned) is what runs, and scales every figure. Counted as explorations, the learning steps at the start of a
+run, short contexts, priced K = 3 at 2.1 plain steps against figures of the last run's long contexts (batch 16,
+2-core CPU: 2.5), and K = 3 then ran at 0.87x plain decoding.
+
+What runs between steps (prefills, the engine's loop) is kept apart, per bucket and K (``between``: an average
+over the steps each K ran), and added to the step's figure when K is chosen: it is not the same at every K.
+Speculating requests finish steps apart and are prefilled one by one; plain decoding's requests of equal length
+finish together and are prefilled as one batch (batch 16, 2-core CPU: 1.22 ms a step at K = 1, 0.36 at K = 0,
+6% of a K = 1 step). Kept apart, it does not scale with the machine's drift, which the step figures follow.
 The context growing is treated as shared too, which it is only roughly: a K that verifies and drafts more tokens a
 row grows dearer faster (batch 16, 2-core CPU: K = 3 held while K = 1 was cheaper per token), until explored.
 
@@ -23,7 +33,8 @@ then settle K = 0, and acceptance is learned only from explorations once K = 0 r
 plain decoding where K = 3 ran 1.27x).
 
 K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
-``STOP_MARGIN``; acceptance is a recent window (``scheduler.ACCEPTANCE_WINDOW``), so a few poor first requests do
+``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
+many rows); acceptance is a recent window (``scheduler.ACCEPTANCE_WINDOW``), so a few poor first requests do
 not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
 A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them).
 """
@@ -54,10 +65,16 @@ OBSERVE_CLIP = 1.5
 #: near-equal estimates must not flip K every few steps, and each flip costs (the batch is rebuilt, and the first
 #: step at a higher K has fewer drafts to verify)
 SWITCH_MARGIN = 0.05
-#: ... and leaves speculation (for K = 0) only for this much more: a wrong K > 0 is corrected by the acceptance its
-#: own steps bring, a wrong K = 0 only by explorations, and the return pays a catch-up. Bundled model, batch 1, a
-#: 5% margin: 209-537 of ~1,100 steps at K = 0 (prompts near break-even) and 0.93x the best fixed K
+#: ... and a lone request leaves speculation (for K = 0) only for this much more: a wrong K > 0 is corrected by the
+#: acceptance its own steps bring, a wrong K = 0 only by explorations, and the return pays a catch-up. Bundled
+#: model, batch 1, a 5% margin: 209-537 of ~1,100 steps at K = 0 (prompts near break-even) and 0.93x the best
+#: fixed K. A bucket of b rows learns b drafts an exploration: its margin is STOP_MARGIN / b, at least
+#: SWITCH_MARGIN (batch 8-16 on the 2-core CPU: K = 1 ran at 0.90-0.93x plain decoding, inside a 15% margin)
 STOP_MARGIN = 0.15
+#: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
+#: (plain decoding's batch of 8 prompts, 13 ms, once in 128 steps), and an explored K's two steps must not price
+#: it at 6 ms a step for having caught one
+BETWEEN_PRIOR_STEPS = 64
 #: first-position drafts verified (K_max running) before buckets choose their K: a request's first tokens are a
 #: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
 #: K = 0 runs, acceptance is learned only from explorations
@@ -65,6 +82,11 @@ LEARN_DRAFTS = 128
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
+
+
+def stop_margin(bucket: int) -> float:
+    """How much more per second K = 0 must yield than the drafting K running in ``bucket`` to take over."""
+    return max(SWITCH_MARGIN, STOP_MARGIN / bucket)
 
 
 def explore_every(bucket: int, running: int) -> int:
@@ -87,12 +109,13 @@ def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k
     return expected_tokens_per_step(acceptance, k) / step_seconds[k]
 
 
-def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None) -> int:
+def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
+             bucket: int = 1) -> int:
     """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts).
     With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and K = 0 must beat a
-    drafting K by ``STOP_MARGIN``."""
+    drafting K by ``stop_margin(bucket)``."""
     best = max(sorted(step_seconds), key=lambda k: (tokens_per_second(step_seconds, acceptance, k), -k))
-    margin = STOP_MARGIN if best == 0 and current else SWITCH_MARGIN
+    margin = stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN
     if current in step_seconds and current != best and (
             tokens_per_second(step_seconds, acceptance, best)
             < (1 + margin) * tokens_per_second(step_seconds, acceptance, current)):
@@ -114,30 +137,49 @@ class AdaptiveK:
     step_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     #: the K each bucket chose last
     chosen: dict[int, int] = field(default_factory=dict)
+    #: seconds between two steps (prefills, the engine's loop) per bucket and K, summed over the steps each K ran,
+    #: and those steps' count
+    between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
+    between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
+    #: the K each bucket's last k_for gave as an exploration (None: its running K), until that step is observed
+    _exploring: dict[int, int | None] = field(default_factory=dict)
+
+    def between(self, bucket: int, k: int) -> float:
+        """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps."""
+        seconds = self.between_seconds.get(bucket, {}).get(k, 0.0)
+        return seconds / (self.between_steps.get(bucket, {}).get(k, 0) + BETWEEN_PRIOR_STEPS)
 
     def k_for(self, bucket: int, acceptance: list[float]) -> int:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
         n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
-        k = self.chosen[bucket] = choose_k(costs, acceptance, self.chosen.get(bucket, self.k_max))
+        total = {j: c + self.between(bucket, j) for j, c in costs.items()}
+        k = self.chosen[bucket] = choose_k(total, acceptance, self.chosen.get(bucket, self.k_max), bucket)
+        self._exploring[bucket] = None
         every = explore_every(bucket, k)
         if n % every >= every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position.
             others = [j for j in sorted(costs) if j != k]
-            return others[(n // every) % len(others)] if others else k
+            if others:
+                k = self._exploring[bucket] = others[(n // every) % len(others)]
         return k
 
-    def observe(self, bucket: int, k: int, seconds: float) -> None:
-        """A step of ``bucket`` at K = ``k`` took ``seconds``. The running K's steps scale every K's figure (drift
-        they share); an explored K's step moves its own figure."""
+    def observe(self, bucket: int, k: int, seconds: float, between: float | None = None) -> None:
+        """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
+        known, or K changed). An explored K's step moves its own figure; any other step's scales every K's figure
+        (drift they share). ``between`` adds to this K's own average of what runs between steps."""
         costs = self.step_seconds.get(bucket)
         if costs is None or k not in costs:
             return
+        if between is not None:
+            sums, steps = self.between_seconds.setdefault(bucket, {}), self.between_steps.setdefault(bucket, {})
+            sums[k] = sums.get(k, 0.0) + between
+            steps[k] = steps.get(k, 0) + 1
         seen = min(seconds, OBSERVE_CLIP * costs[k])
-        if k == self.chosen.get(bucket, k):
+        if k != self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
             scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
             for j in costs:
                 costs[j] *= scale

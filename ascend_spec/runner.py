@@ -171,6 +171,8 @@ class ModelRunner:
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
+        #: when the last fused step ended (None: none yet in this run, or a step-by-step one came between)
+        self._last_step_end: float | None = None
         self._prefill_warm = False
         self._pending_drafts: dict[int, list[int]] = {}
         #: per request, its K = 0 steps since it last drafted: (the step's hidden states [rows, D], its row)
@@ -284,7 +286,7 @@ class ModelRunner:
         report.compile_seconds = time.perf_counter() - t_all
         if self.cfg.adaptive_k and self.k:
             self._time_steps()
-        self._batch = None
+        self._batch = self._last_step_end = None
 
     def _warmup_prefill(self, report: WarmupReport, progress: bool) -> None:
         """Compile the prompt graph(s) and the draft chain the prompts' drafts replay: one dynamic-query graph each
@@ -437,6 +439,7 @@ class ModelRunner:
         if self.fused_applies(running):
             return self._step_fused(running, generator, stats)
         self._drafts_to_host()
+        self._last_step_end = None
         return self._step_by_step(running, generator, stats)
 
     def forget(self, seq: Sequence) -> None:
@@ -454,6 +457,7 @@ class ModelRunner:
     def end_run(self) -> dict[int, int]:
         """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
+        self._last_step_end = None
         self._undrafted.clear()
         if not (self.cfg.adaptive_k and self.k):
             return {b: self.k for b in self.batch_sizes}
@@ -602,6 +606,8 @@ class ModelRunner:
         ids = tuple(s.req_id for s in running)
         batch = self._batch
         t_cost = t0  # where the step's cost starts, for adaptive K
+        # what ran since the previous step (prefills, the engine's loop), for adaptive K: see AdaptiveK.between
+        between = None if self._last_step_end is None else t0 - self._last_step_end
         if (batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode
                 or batch.logprobs != want_lp):
             switched = batch is not None and batch.k != k
@@ -610,6 +616,7 @@ class ModelRunner:
             if k and self._undrafted:
                 self._catch_up(batch, running)
             if switched:
+                between = None  # what ran before a switch belongs to the K that ran then
                 # A change of K pays a rebuild (and, out of K = 0, the MTP catch-up): a cost of switching, which
                 # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
                 # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
@@ -657,16 +664,15 @@ class ModelRunner:
         tokens = [row[: row[-1]] for row in out_h]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
-        end = time.perf_counter()
+        end = self._last_step_end = time.perf_counter()
         stats.host_seconds += (t1 - t0) + (end - t2)
         if self.cfg.adaptive_k and self.force_k is None and (
                 full or not self.shapes.dynamic_batch):
             # What this K costs: the step itself, graph and host (a rebuild for new requests included, not one for
-            # a new K), not the prefills between steps: every request is prefilled once whatever K decodes it, a
-            # cost per token that does not change which K yields the most. Dynamic-batch backends count only a
-            # full bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would
-            # drag the bucket's figure for the running K far below what the next full batch pays.
-            self.adaptive.observe(bucket, k, end - t_cost)
+            # a new K), and apart from it what ran since the step before. Dynamic-batch backends count only a full
+            # bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would drag
+            # the bucket's figure for the running K far below what the next full batch pays.
+            self.adaptive.observe(bucket, k, end - t_cost, between)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------

@@ -4,9 +4,10 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.adaptive import (COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS, EXPLORE_SMOOTHING, EXPLORE_STEPS,
-                                  LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN, SWITCH_MARGIN, AdaptiveK, choose_k,
-                                  expected_tokens_per_step, explore_every, speedup_limit)
+from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
+                                  EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN,
+                                  SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step, explore_every,
+                                  speedup_limit, stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.scheduler import ACCEPTANCE_WINDOW
 from ascend_spec.sampling import SamplingParams
@@ -124,10 +125,21 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     assert ks[first: first + EXPLORE_STEPS] == [ks[first]] * EXPLORE_STEPS
     assert speedup_limit(policy.step_seconds[1], good, 2) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
     # an explored K's own figure moves: a warm-up figure that was too high does not rule K out for good
-    for _ in range(20):
+    for _ in range(3):
+        explore(policy, 8, poor, 1)
         policy.observe(8, 1, 1.05)
-    assert policy.step_seconds[8][1] == pytest.approx(1.05, rel=1e-3) and policy.k_for(8, poor) == 1
+    assert policy.step_seconds[8][1] == pytest.approx(1.05 + 0.85 * (1 - EXPLORE_SMOOTHING) ** 3)
     assert policy.step_seconds[8][0] == 1.0 and policy.step_seconds[8][2] == 2.8  # the others' stay
+    policy.k_for(8, poor)
+    assert policy.chosen[8] == 1  # 1.3 tokens for 1.16: K = 1 runs now
+
+
+def explore(policy: AdaptiveK, bucket: int, acceptance: list[float], k: int) -> None:
+    """Step the policy until it hands out ``k`` as an exploration (its running K stays another)."""
+    for _ in range(4 * EXPLORE_EVERY):
+        if policy.k_for(bucket, acceptance) == k and policy.chosen[bucket] != k:
+            return
+    raise AssertionError(f"K = {k} was not explored in bucket {bucket}")
 
 
 def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded_step():
@@ -137,6 +149,7 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     scale = 1 + COST_SMOOTHING * 0.1
     assert policy.step_seconds[8] == pytest.approx({0: scale, 1: 1.5 * scale, 2: 2.0 * scale})
     # an explored K's step moves its own figure further (it is measured two steps in EXPLORE_EVERY)
+    explore(policy, 8, [0.9, 0.9], 0)
     policy.observe(8, 0, 0.9 * scale)
     assert policy.step_seconds[8][0] == pytest.approx(scale * (1 - 0.1 * EXPLORE_SMOOTHING))
     # one slow step (the machine stalled) moves the figures by a bounded step, not by the spike
@@ -144,6 +157,35 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     policy.observe(8, 2, 50 * before[2])
     bound = 1 + COST_SMOOTHING * (OBSERVE_CLIP - 1)
     assert policy.step_seconds[8] == pytest.approx({k: v * bound for k, v in before.items()})
+
+
+def test_a_k_that_runs_but_is_not_explored_scales_every_figure():
+    """K_max drafting while acceptance is learned (no exploration) is what runs: its steps, at a new run's short
+    contexts, must not price K_max against the last run's long-context figures of the others."""
+    policy = AdaptiveK(3, step_seconds={16: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5}}, chosen={16: 1})
+    policy.observe(16, 3, 2.0)  # 20% below its figure: the context is short now, for every K
+    scale = 1 + COST_SMOOTHING * (2.0 / 2.5 - 1)
+    assert policy.step_seconds[16] == pytest.approx({0: scale, 1: 1.5 * scale, 2: 2.0 * scale, 3: 2.5 * scale})
+
+
+def test_what_runs_between_steps_counts_per_k_and_large_buckets_stop_for_less():
+    """Prefills and the engine's loop between steps are added to each K's own figure (speculating requests finish
+    apart and are prefilled one by one); K = 0 takes over from a drafting K for ``stop_margin(bucket)``."""
+    assert stop_margin(1) == STOP_MARGIN and stop_margin(8) == SWITCH_MARGIN < STOP_MARGIN
+    acceptance = [0.6]  # K = 1: 1.6 tokens for 1.5, 6.7% more per second than K = 0
+    for bucket in (1, 8):
+        policy = AdaptiveK(1, step_seconds={bucket: {0: 1.0, 1: 1.5}})
+        assert policy.k_for(bucket, acceptance) == 1
+        for _ in range(BETWEEN_PRIOR_STEPS):  # a prefill's 0.4 between each K = 1 step
+            policy.observe(bucket, 1, 1.5, between=0.4)
+        assert policy.between(bucket, 1) == pytest.approx(0.2) and policy.between(bucket, 0) == 0.0
+        assert policy.step_seconds[bucket] == pytest.approx({0: 1.0, 1: 1.5})  # the step figures stay
+        # K = 1 now yields 1.6 for 1.7: K = 0 is 6.25% better, past the 5% margin of 8 rows, inside a lone request's 15%
+        assert policy.k_for(bucket, acceptance) == (1 if bucket == 1 else 0)
+    # a switch leaves between out (None): it belongs to the K that ran before
+    policy = AdaptiveK(1, step_seconds={8: {0: 1.0, 1: 1.5}})
+    policy.observe(8, 1, 1.5, between=None)
+    assert policy.between(8, 1) == 0.0
 
 
 def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
