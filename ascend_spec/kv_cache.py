@@ -96,8 +96,9 @@ class KVCaches:
         target = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers))
         draft = torch.zeros(shape, dtype=dtype, device=device)
         if torch.device(device).type == "cuda":
-            # The pool lives as long as the engine: CUDA graphs must read and write it where it is. Unmarked, a
-            # replay copies each cache argument into the graph's own buffer first and writes the new KV there.
+            # The pool lives as long as the engine: CUDA graphs must read and write it where it is. CUDA graph trees
+            # copy an input that is not static into a buffer of their own; unmarked, greedy decoding under CUDA
+            # graphs left eager's tokens at the first decoded one (H100, torch 2.11).
             for cache in (*target, draft):
                 torch._dynamo.mark_static_address(cache)
         return cls(target, draft, BlockAllocator(num_blocks), per_seq)
