@@ -286,7 +286,7 @@ class ModelRunner:
         report.compile_seconds = time.perf_counter() - t_all
         if self.cfg.adaptive_k and self.k:
             self._time_steps()
-        self._batch = self._last_step_end = None
+        self._batch = None
 
     def _warmup_prefill(self, report: WarmupReport, progress: bool) -> None:
         """Compile the prompt graph(s) and the draft chain the prompts' drafts replay: one dynamic-query graph each

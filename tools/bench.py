@@ -169,12 +169,6 @@ class PhaseProbe:
         self.seconds: dict[str, list[float]] = {"verify": [], "accept": [], "draft": []}
         self.calls = 0
 
-    def clock(self) -> float:
-        """Wall time once the device has finished what was queued (CUDA runs asynchronously; the probe may sync)."""
-        if self.eng.device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def phases(self, k: int) -> tuple:
         if k not in self.graphs:
             p = make_spec_phases(self.eng.model, k, self.eng.cfg.max_model_len, GREEDY)
@@ -194,13 +188,13 @@ class PhaseProbe:
          caches, draft_cache) = args
         with torch.no_grad():
             for warm in (True, False):  # the first call of a new shape may compile
-                t0 = self.clock()
+                t0 = time.perf_counter()
                 pos, slots, seq_lens, nd, hidden, logits = verify(input_ids, start, num_draft, table, live, caches)
-                t1 = self.clock()
+                t1 = time.perf_counter()
                 sampled, *_ = accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)
-                t2 = self.clock()
+                t2 = time.perf_counter()
                 propose(input_ids, start, sampled, nd, pos, hidden, slots, table, seq_lens, draft_cache)
-                t3 = self.clock()
+                t3 = time.perf_counter()
         for name, t in (("verify", t1 - t0), ("accept", t2 - t1), ("draft", t3 - t2)):
             self.seconds[name].append(t)
 
