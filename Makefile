@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test soak install install-test bench bench-moe bench-vllm record-acceptance test-vllm-release test-matrix clean
+.PHONY: run test soak install install-test bench bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,6 +41,12 @@ bench: $(VENV)/.installed
 
 bench-moe: $(VENV)/.installed
 	$(PY) tools/bench_moe.py --strategy all
+
+# what a verify of 1 + K tokens costs against one token: the model's products per kernel (MKL, oneDNN), and the
+# compiled target forward as the engine builds it against inductor's weight freezing (docs/bench/gemm.md)
+bench-gemm: $(VENV)/.installed
+	$(PY) tools/bench_gemm.py
+	$(PY) tools/bench_gemm.py --steps --batches 1 8 16 --queries 1 2 4
 
 # our drafter vs vLLM's in the same engine: dense and MoE + YaRN checkpoints, TP 1 and 2, max_model_len 512 and
 # 8,192 (and the W8A8-int8 MoE checkpoint); one Markdown table in docs/bench/vllm.md

@@ -36,7 +36,7 @@ import torch
 from ascend_spec.graph.config import MoEConfig
 from ascend_spec.graph.moe import MoE, pick_strategy
 
-from bench import interleaved_medians  # tools/bench.py: round-robin medians (this folder is on sys.path)
+from timing import interleaved_medians  # this folder is on sys.path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_ATOL = {"float32": 1e-4, "bfloat16": 1e-2}
