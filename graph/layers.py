@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .config import ModelConfig, YarnScaling
 
@@ -16,9 +17,11 @@ class Linear(nn.Linear):
     Decode and verify multiply a handful of tokens by every weight. On x86 CPUs MKL's sgemm picks a far better
     kernel when the skinny operand is on the right: measured here (AVX2, 2 cores, the bundled model's 73 matrices,
     compiled) 2–8 tokens cost 0.4–0.6× of ``x · Wᵀ`` and about what one token costs, so a verify's products cost
-    about what a one-token step's do. A lone token runs as two (a one-column product is slower still). Same function;
-    only the summation order may differ (~1e-6). Backends opt in (``weight_left_matmul``); GPUs and NPUs keep the
-    plain product.
+    about what a one-token step's do. Where a compiled graph fixes the row count at one or two (a lone request's
+    one-token step, its K = 1 verify and its draft chain), the product is a fused reduction per row instead
+    (``row_reductions``: 0.8× the step at batch 1); eager, a lone token runs as two (a one-column product is slower
+    still). Same function; only the summation order may differ (~1e-6). Backends opt in (``weight_left_matmul``);
+    GPUs and NPUs keep the plain product.
     """
 
     #: set by ``DeepseekV3ForCausalLM.use_backend``
@@ -29,11 +32,29 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
         n = flat.shape[0]
+        # statically_known_true: a dynamic row count reads False without a guard (a plain comparison would
+        # specialise the graph on it)
+        if torch.compiler.is_compiling() and statically_known_true(n <= ROW_REDUCTION_MAX_ROWS):
+            return row_reductions(flat, self.weight).reshape(*x.shape[:-1], self.out_features)
         if n == 1:
             # One column is MKL's slowest case: the bundled model's products cost 4.96 ms for one token against
             # 3.76 ms for two (compiled); a zero token makes it two. Static: a dynamic row count is at least 2.
             flat = F.pad(flat, (0, 0, 0, 1))
         return torch.mm(self.weight, flat.t())[:, :n].t().reshape(*x.shape[:-1], self.out_features)
+
+
+#: a compiled product of at most this many rows, when the graph's shapes fix the count (a lone request's one-row
+#: graphs), is one fused reduction per row instead of an MKL call (see ``row_reductions``)
+ROW_REDUCTION_MAX_ROWS = 2
+
+
+def row_reductions(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``flat [n, in] · weightᵀ`` as ``n`` row-wise reductions that inductor fuses into one kernel: the weight is
+    read once for all ``n`` rows, at the memory's speed. MKL's sgemm reads it at a fraction of that for a few rows
+    on x86 CPUs (the bundled model's products: ``tools/bench_gemm.py``). Each row's sum is the same whatever
+    ``n`` is, so a verify and a one-token step give a token the same logits. Eager, this would materialise
+    ``weight``-sized temporaries: compiled graphs only."""
+    return torch.stack([(weight * flat[i]).sum(-1) for i in range(flat.shape[0])])
 
 
 class RMSNorm(nn.Module):

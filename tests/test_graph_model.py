@@ -163,6 +163,43 @@ def test_weight_left_linear_is_the_same_function_and_backends_choose_it():
     assert not any(m.weight_left for m in linears)
 
 
+def test_compiled_few_row_products_are_row_reductions_that_do_not_depend_on_the_other_rows():
+    """A compiled product whose row count the shapes fix (at most ``ROW_REDUCTION_MAX_ROWS``) is one reduction per
+    row: the same function as ``x·Wᵀ``, and a row's result is bit for bit the same alone or beside another row, so a
+    lone request's verify and its one-token step give a token the same logits. A dynamic row count keeps MKL, and
+    the choice does not specialise it."""
+    from ascend_spec.graph.layers import ROW_REDUCTION_MAX_ROWS, Linear
+
+    torch.manual_seed(0)
+    lin = Linear(256, 384, bias=False)
+    lin.weight_left = True
+    traced: list[str] = []
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        return lin(x)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        traced.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(product, backend=backend, fullgraph=True, dynamic=False)
+    pair = torch.randn(1, ROW_REDUCTION_MAX_ROWS, 256)
+    with torch.no_grad():
+        both, alone = compiled(pair), compiled(pair[:, :1].clone())
+    torch.testing.assert_close(both, torch.nn.functional.linear(pair, lin.weight), rtol=1e-5, atol=1e-5)
+    assert torch.equal(both[:, :1], alone)
+    assert not any("mm" in t for t in traced), traced  # no MKL product in the fixed-row graphs
+    traced.clear()
+    many = torch.randn(2, 1, 256)  # two rows, but a dynamic count: kept dynamic (mark_dynamic fails otherwise)
+    torch._dynamo.mark_dynamic(many, 0)
+    dynamic = torch.compile(product, backend=backend, fullgraph=True, dynamic=None)
+    with torch.no_grad():
+        torch.testing.assert_close(dynamic(many), torch.nn.functional.linear(many, lin.weight), rtol=1e-5,
+                                   atol=1e-5)
+    assert any("mm" in t for t in traced), traced
+
+
 def test_opaque_external_runs_at_each_call_and_never_recompiles():
     """An opaque External (vLLM's MoE inside our graph) is called, not traced: state it reads at run time (vLLM's
     per-step forward context) changes without a recompile, and its output reaches the graph."""
