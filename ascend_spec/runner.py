@@ -204,8 +204,9 @@ class ModelRunner:
         """Graph rows for ``batch`` requests, at any K. A lone request runs unpadded, a graph of its own on
         dynamic-batch backends (a size-1 dimension specialises a compile; warmed with the others where 1 is a
         bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
-        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its products
-        take a lone token as two columns, see ``graph.layers.Linear``. Every other batch pads to ``min_batch``."""
+        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its one-
+        and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
+        ``min_batch``."""
         if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes:
             return 1
         return self.target_graph.bucket_for(batch)

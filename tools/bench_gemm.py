@@ -9,7 +9,8 @@ Two measurements, contenders interleaved (round-robin medians), fp32, the bundle
   inductor emits when it freezes weights). Each column's ``× M=1`` says what M tokens cost against one token on the
   same kernel.
 - ``--steps``: the target forward (``graph.steps.make_target_step``, ``B`` rows × ``Q`` tokens, context 128) compiled
-  as the engine compiles it on CPU, against the same forward compiled with inductor's weight freezing (oneDNN on
+  as the engine compiles it on CPU (MKL W·xᵀ, and row reductions for one or two rows in a one-row graph), against
+  the same forward compiled with inductor's weight freezing (oneDNN on
   prepacked weights; no weight-left products, no nested compile regions, which freezing cannot see into): the
   verify ÷ step(1) ratio the adaptive policy and the speed-up limit are made of, and each variant's compile time.
 
@@ -114,7 +115,7 @@ def bench_steps(model: DeepseekV3ForCausalLM, batches: list[int], queries: list[
                 module.weight_left = not frozen
         model.set_compile_regions(not frozen)
 
-    variants = {"engine (MKL W·xᵀ)": False, "frozen (oneDNN prepacked)": True}
+    variants = {"engine": False, "frozen (oneDNN prepacked)": True}
     compiled = {name: torch.compile(make_target_step(model), fullgraph=True, dynamic=None) for name in variants}
     compile_s: dict[str, float] = {}
 
