@@ -20,7 +20,6 @@ Two measurements, contenders interleaved (round-robin medians), fp32, the bundle
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Callable
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 
 from ascend_spec.graph.backends.inductor import InductorBackend, mark_dims
 from ascend_spec.graph.backends.base import DynamicDims
+from ascend_spec.graph.backends.compile_cache import open_default_cache
 from ascend_spec.graph.layers import Linear
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.steps import make_target_step
@@ -155,8 +155,7 @@ def bench_steps(model: DeepseekV3ForCausalLM, batches: list[int], queries: list[
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "ascend-spec",
-                                                                  "bench-gemm-inductor"))
+    open_default_cache()  # inductor's working cache in the engine's private cache folder, as the engine does
     model = load_model(args.model).eval()
     print(f"{torch.__version__}, {args.threads} threads, MKL {torch.backends.mkl.is_available()}, "
           f"oneDNN {torch.backends.mkldnn.is_available()}")
