@@ -31,3 +31,16 @@ def test_bench_gemm_times_every_kernel_per_token_count():
 def test_bench_moe_runs_a_shape():
     rows = table_rows(run_tool("bench_moe.py", "--experts", "16", "--topk", "2", "--tokens", "2", "--repeats", "1"))
     assert any(r[:3] == ["16", "2", "2"] for r in rows), rows
+
+
+def test_bench_rotates_the_contenders_so_each_runs_once_in_every_place():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        from bench import turn_order
+    finally:
+        sys.path.remove(str(TOOLS))
+    names = ["no-spec", "K=1", "K=2", "adaptive"]
+    orders = [turn_order(names, t) for t in range(7, 7 + len(names))]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    for place in range(len(names)):
+        assert sorted(o[place] for o in orders) == sorted(names), orders

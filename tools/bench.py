@@ -8,8 +8,8 @@ no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, i
 each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to at least
 four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the next
 (continuous batching, as a server runs: a closed batch would end at the pace of its slowest request). Contenders
-take turns on each chunk of 4b requests and all generate the same tokens. Rounds repeat the whole set; figures are
-medians over rounds.
+take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round, and all
+generate the same tokens. Rounds repeat the whole set; figures are medians over rounds.
 
 The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
@@ -142,17 +142,25 @@ def use_tracker(eng: Engine, tracker: AcceptanceTracker) -> None:
     eng.acceptance = eng.runner.acceptance = tracker
 
 
+def turn_order(names: list[str], turn: int) -> list[str]:
+    """``names`` rotated by ``turn``: over as many turns as there are contenders, each runs once in every place (a
+    fixed order would always run one contender first after another batch size's graphs, or last)."""
+    shift = turn % len(names)
+    return names[shift:] + names[:shift]
+
+
 def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_tokens: int,
-                      contenders: dict[str, int | None]) -> dict[str, Tally]:
-    """The requests in chunks of ``REQUESTS_PER_SLOT × batch``, each chunk served by every contender in turn, so a
-    noisy second weighs on all of them alike. Adaptive K learns its acceptance afresh (a tracker of its own, kept
-    across the chunks)."""
+                      contenders: dict[str, int | None], turn: int = 0) -> dict[str, Tally]:
+    """The requests in chunks of ``REQUESTS_PER_SLOT × batch``, each chunk served by every contender in turn (the
+    order rotating from chunk to chunk, starting at ``turn``), so a noisy second weighs on all of them alike.
+    Adaptive K learns its acceptance afresh (a tracker of its own, kept across the chunks)."""
     tallies = {name: Tally() for name in contenders}
     own, scratch = AcceptanceTracker.empty(eng.k), AcceptanceTracker.empty(eng.k)
     chunk = REQUESTS_PER_SLOT * batch
     try:
-        for i in range(0, len(requests), chunk):
-            for name, k in contenders.items():
+        for n, i in enumerate(range(0, len(requests), chunk)):
+            for name in turn_order(list(contenders), turn + n):
+                k = contenders[name]
                 use_tracker(eng, own if k is None else scratch)
                 serve(eng, requests[i: i + chunk], batch, max_tokens, k, tallies[name])
     finally:
@@ -257,7 +265,8 @@ def main() -> None:
     runs: dict[tuple[int, str], list[Tally]] = {}
     for r in range(args.rounds):
         for b in args.batches:
-            for name, t in serve_interleaved(eng, requests_for(prompts, b), b, args.max_tokens, contenders).items():
+            for name, t in serve_interleaved(eng, requests_for(prompts, b), b, args.max_tokens, contenders,
+                                                 turn=r).items():
                 runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
     accounts = {(b, k): account(eng, prompts, b, args.max_tokens, k) for b in args.batches for k in [0, *args.ks]}
