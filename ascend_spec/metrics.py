@@ -79,6 +79,12 @@ class RunStats:
     prefill_seconds: float = 0.0
     #: fused path: device batches rebuilt (composition, K, sampling mode or logprobs changed)
     batch_rebuilds: int = 0
+    #: fused path, Σ over steps: the keys each verify's attention reads (graph rows × the block-table width it is
+    #: passed) and the keys its live rows need (each row's context through its last query). Their ratio is what
+    #: padding every row to the longest costs: 1 when the rows started together and advance alike, more when they
+    #: finish apart (speculation, mixed lengths)
+    attention_keys_read: int = 0
+    attention_keys_live: int = 0
 
     @property
     def host_syncs_per_step(self) -> float:

@@ -37,6 +37,7 @@ from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, t
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
+from .graph.config import KV_BLOCK_SIZE
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
@@ -625,6 +626,8 @@ class ModelRunner:
         max_len = self.cfg.max_model_len
         # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
         width = self.width_for(max(s.num_tokens + 2 * k for s in running))
+        stats.attention_keys_read += batch.rows * width * KV_BLOCK_SIZE
+        stats.attention_keys_live += sum(s.num_tokens for s in running) + b * k
         noise = None
         if mode == RANDOM:
             drawn = spec_decode.RejectionNoise.draw(b, k, self.model.cfg.vocab_size, generator, self.device)

@@ -72,6 +72,17 @@ def test_logprobs_request_stays_on_the_fused_path(trained_dir, prompts):
     assert sum(stats.steps_per_k.values()) == stats.num_steps
 
 
+def test_attention_keys_read_show_rows_padded_to_the_longest(trained_dir, prompts):
+    """Each fused step counts the keys its verify reads (rows × the width passed) and the keys its live rows need:
+    rows that start together and advance alike read what they need, up to the width's rounding (whole 16-key
+    blocks, room for the step's drafts); rows of different lengths are padded to the longest and read more."""
+    eng = _engine(trained_dir, 2, fused=True)
+    _, alike, _ = eng.generate([prompts[0]] * 4, SamplingParams(), 40)
+    _, apart, _ = eng.generate([prompts[0], prompts[0] * 4] * 2, SamplingParams(), 40)
+    ratio = {name: st.attention_keys_read / st.attention_keys_live for name, st in (("alike", alike), ("apart", apart))}
+    assert 1.0 <= ratio["alike"] and ratio["apart"] > 1.1 * ratio["alike"], ratio
+
+
 def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts):
     eng = _engine(trained_dir, 3, fused=True, adaptive=True)
     eng.warmup(progress=False)

@@ -14,7 +14,10 @@ generate the same tokens. Rounds repeat the whole set; figures are medians over 
 The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
 second run, on every 4th step, the three phases of the fused graph (verify of 1 + K tokens, acceptance, the K-step
-draft chain) are compiled separately and timed on that step's own inputs (medians). ``verify(1+K) ÷ step(1)`` compares verify with the K = 0 step's graph.
+draft chain) are compiled separately and timed on that step's own inputs (medians). ``verify(1+K) ÷ step(1)``
+compares verify with the K = 0 step's graph. Two figures name what rows finishing apart cost, which no step's time
+shows: live rows a step (the queue's last requests drain unevenly) and the attention's keys read over the keys the
+live rows need (each row padded to the longest: requests that started together and advance alike read 1×).
 
 A speed-up is printed only when the baseline is sound: the no-spec runs' wall time per step within 20% of their
 one-token step cost, the graph replays timed inside those same runs (otherwise they measured something else:
@@ -75,6 +78,8 @@ class Tally:
     host: float = 0.0
     prefill: float = 0.0
     rebuilds: int = 0
+    keys_read: int = 0
+    keys_live: int = 0
     steps_per_k: dict[int, int] = field(default_factory=dict)
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
@@ -90,6 +95,8 @@ class Tally:
         self.host += stats.host_seconds
         self.prefill += stats.prefill_seconds
         self.rebuilds += stats.batch_rebuilds
+        self.keys_read += stats.attention_keys_read
+        self.keys_live += stats.attention_keys_live
         for k, n in stats.steps_per_k.items():
             self.steps_per_k[k] = self.steps_per_k.get(k, 0) + n
         if metrics is not None:
@@ -226,7 +233,8 @@ def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, 
     return {"batch": batch, "k": k, "wall_ms": wall, "graph_ms": graph, "host_ms": host, "prefill_ms": prefill,
             "loop_ms": wall - graph - host - prefill, "verify_ms": phases["verify"], "accept_ms": phases["accept"],
             "draft_ms": draft, "phases_ms": phases["verify"] + phases["accept"] + draft, "rebuilds": tally.rebuilds,
-            "steps": tally.steps}
+            "steps": tally.steps, "live_rows": tally.request_steps / tally.steps,
+            "keys_read_per_live": tally.keys_read / tally.keys_live}
 
 
 def main() -> None:
@@ -380,15 +388,19 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     lines += ["", "## Step-time account (ms per step, measured inside the run)", "",
               "wall = graph + host + prefill + loop (loop: the engine's scheduling and bookkeeping, what no other "
               "timer holds). The graph's phases are compiled separately and timed on every 4th step's own inputs; "
-              "their sum against the fused graph shows what fusing saves.", "",
+              "their sum against the fused graph shows what fusing saves. Rows finishing apart: live rows (a step's "
+              "requests, on average, against the batch size: the drain at the end of the queue) and keys read ÷ live "
+              "(the attention's keys, every row padded to the longest, over the keys the rows need).", "",
               "| batch | K | wall | graph | host | prefill | loop | verify | accept | draft chain | phases Σ | "
-              "verify ÷ step(1) | draft ÷ step(1) | rebuilds |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "verify ÷ step(1) | draft ÷ step(1) | rebuilds | live rows | keys read ÷ live |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in accounts:
         one = next(x for x in accounts if x["batch"] == a["batch"] and x["k"] == 0)["graph_ms"]
         lines.append(f"| {a['batch']} | {a['k']} | {a['wall_ms']:.2f} | {a['graph_ms']:.2f} | {a['host_ms']:.2f} | "
                      f"{a['prefill_ms']:.2f} | {a['loop_ms']:.2f} | {a['verify_ms']:.2f} | {a['accept_ms']:.2f} | "
                      f"{a['draft_ms']:.2f} | {a['phases_ms']:.2f} | {a['verify_ms'] / one:.2f} | "
-                     f"{a['draft_ms'] / one:.2f} | {a['rebuilds']} |")
+                     f"{a['draft_ms'] / one:.2f} | {a['rebuilds']} | {a['live_rows']:.2f} | "
+                     f"{a['keys_read_per_live']:.2f} |")
     lines += ["", "![speed-up](speedup.png)", "", "![step account](step_account.png)", ""]
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts},
