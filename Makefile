@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test soak install install-test bench bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
+.PHONY: run test soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,6 +38,11 @@ soak: $(VENV)/.installed-test
 bench: $(VENV)/.installed
 	$(PIP) install -q -e ".[bench]"
 	$(PY) tools/bench.py --out docs/bench
+
+# The same, with request lengths drawn from 128 ± 64 tokens: no batch advances in lockstep
+bench-mixed: $(VENV)/.installed
+	$(PIP) install -q -e ".[bench]"
+	$(PY) tools/bench.py --out docs/bench/mixed --length-spread 64
 
 bench-moe: $(VENV)/.installed
 	$(PY) tools/bench_moe.py --strategy all

@@ -33,14 +33,27 @@ def test_bench_moe_runs_a_shape():
     assert any(r[:3] == ["16", "2", "2"] for r in rows), rows
 
 
-def test_bench_rotates_the_contenders_so_each_runs_once_in_every_place():
+def bench_module():
     sys.path.insert(0, str(TOOLS))
     try:
-        from bench import turn_order
+        import bench
     finally:
         sys.path.remove(str(TOOLS))
+    return bench
+
+
+def test_bench_rotates_the_contenders_so_each_runs_once_in_every_place():
+    turn_order = bench_module().turn_order
     names = ["no-spec", "K=1", "K=2", "adaptive"]
     orders = [turn_order(names, t) for t in range(7, 7 + len(names))]
     assert all(sorted(o) == sorted(names) for o in orders)
     for place in range(len(names)):
         assert sorted(o[place] for o in orders) == sorted(names), orders
+
+
+def test_bench_request_lengths_are_equal_or_spread_the_same_way_for_every_contender():
+    lengths_for = bench_module().lengths_for
+    assert lengths_for(5, 128, 0) == [128] * 5
+    spread = lengths_for(64, 128, 64)
+    assert spread == lengths_for(64, 128, 64)  # a fixed draw: every contender serves the same budgets
+    assert all(64 <= n <= 192 for n in spread) and len(set(spread)) > 16

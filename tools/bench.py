@@ -9,7 +9,10 @@ each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the tra
 four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the next
 (continuous batching, as a server runs: a closed batch would end at the pace of its slowest request). Contenders
 take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round, and all
-generate the same tokens. Rounds repeat the whole set; figures are medians over rounds.
+generate the same tokens. Rounds repeat the whole set; figures are medians over rounds. Every request runs to
+``--max-tokens``, so plain decoding's requests, admitted together, advance in lockstep; ``--length-spread S``
+draws each request's budget from ``max-tokens ± S`` instead (the same for every contender), so that requests end
+apart with or without drafts, as real traffic's do (``make bench-mixed``).
 
 The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -134,7 +138,14 @@ def requests_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(max(len(prompts), REQUESTS_PER_SLOT * batch))]
 
 
-def serve(eng: Engine, requests: list[list[int]], batch: int, max_tokens: int, k: int | None,
+def lengths_for(n: int, max_tokens: int, spread: int) -> list[int]:
+    """Each request's token budget: ``max_tokens`` for every one, or drawn evenly from ``max_tokens ± spread`` (a fixed
+    seed: the same for every contender), so that requests end apart as real traffic's do."""
+    rng = random.Random(0)
+    return [max_tokens + (rng.randint(-spread, spread) if spread else 0) for _ in range(n)]
+
+
+def serve(eng: Engine, requests: list[list[int]], batch: int, max_tokens: list[int], k: int | None,
           tally: Tally | None = None) -> Tally:
     """``requests`` with at most ``batch`` running at once (continuous batching: a finished request's slot goes to
     the next), at K = ``k`` (None: adaptive)."""
@@ -156,7 +167,7 @@ def turn_order(names: list[str], turn: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_tokens: int,
+def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_tokens: list[int],
                       contenders: dict[str, int | None], turn: int = 0) -> dict[str, Tally]:
     """The requests in chunks of ``REQUESTS_PER_SLOT × batch``, each chunk served by every contender in turn (the
     order rotating from chunk to chunk, starting at ``turn``), so a noisy second weighs on all of them alike.
@@ -169,7 +180,7 @@ def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_to
             for name in turn_order(list(contenders), turn + n):
                 k = contenders[name]
                 use_tracker(eng, own if k is None else scratch)
-                serve(eng, requests[i: i + chunk], batch, max_tokens, k, tallies[name])
+                serve(eng, requests[i: i + chunk], batch, max_tokens[i: i + chunk], k, tallies[name])
     finally:
         use_tracker(eng, scratch)
     return tallies
@@ -214,16 +225,17 @@ class PhaseProbe:
             self.seconds[name].append(t)
 
 
-def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, k: int) -> dict:
+def account(eng: Engine, prompts: list[list[int]], batch: int, max_tokens: int, spread: int, k: int) -> dict:
     """The step-time account at K = ``k``, ms per step: one run timed as it is (wall, graph, host, prefill, loop), one
     more with the phase probe (it runs extra graphs between steps, so its own step times are not used)."""
     reqs = requests_for(prompts, batch)[: REQUESTS_PER_SLOT * batch]
-    tally = serve(eng, reqs, batch, max_tokens, k)
+    lengths = lengths_for(len(reqs), max_tokens, spread)
+    tally = serve(eng, reqs, batch, lengths, k)
     probe = PhaseProbe(eng)
     if not eng.backend.reuses_outputs:  # a phase's replay would overwrite the previous phase's CUDA-graph outputs
         eng.runner.step_observer = probe
         try:
-            serve(eng, reqs, batch, max_tokens, k)
+            serve(eng, reqs, batch, lengths, k)
         finally:
             eng.runner.step_observer = None
     per_step = lambda s: 1e3 * s / tally.steps  # noqa: E731
@@ -245,6 +257,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--length-spread", type=int, default=0,
+                    help="draw each request's token budget from max-tokens ± this (default 0: all equal)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (inductor: plain on CPU, CUDA graphs on CUDA)")
     ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
@@ -273,11 +287,14 @@ def main() -> None:
     runs: dict[tuple[int, str], list[Tally]] = {}
     for r in range(args.rounds):
         for b in args.batches:
-            for name, t in serve_interleaved(eng, requests_for(prompts, b), b, args.max_tokens, contenders,
+            reqs = requests_for(prompts, b)
+            lengths = lengths_for(len(reqs), args.max_tokens, args.length_spread)
+            for name, t in serve_interleaved(eng, reqs, b, lengths, contenders,
                                                  turn=r).items():
                 runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
-    accounts = {(b, k): account(eng, prompts, b, args.max_tokens, k) for b in args.batches for k in [0, *args.ks]}
+    accounts = {(b, k): account(eng, prompts, b, args.max_tokens, args.length_spread, k)
+                for b in args.batches for k in [0, *args.ks]}
     for a in accounts.values():
         print(f"account batch {a['batch']} K={a['k']}: " + ", ".join(
             f"{key} {v:.2f}" for key, v in a.items() if key.endswith("_ms")), flush=True)
@@ -307,10 +324,12 @@ def main() -> None:
                else f"{platform.machine()}, {torch.get_num_threads()} threads")
     meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
+            "length_spread": args.length_spread,
             "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
             "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": eng.step_seconds,
             "command": "python tools/bench.py --batches " + " ".join(map(str, args.batches)) + " --ks "
                        + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"
+                       + (f" --length-spread {args.length_spread}" if args.length_spread else "")
                        + ("" if args.device == "cpu" else f" --device {args.device}")}
     write_report(args.out, rows, list(accounts.values()), meta)
     print(f"wrote {args.out}/results.md and plots")
@@ -364,9 +383,11 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     plt.close(fig)
 
     fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
+    spread = f" ± {meta['length_spread']}" if meta.get("length_spread") else ""
     lines = [f"# Does speculation pay? ({meta['model']})", "",
              f"{meta['machine']}; torch {meta['torch']}; greedy, {meta['requests']} held-out prompts cycled to 4 "
-             f"requests per slot (at least one each), {meta['max_tokens']} tokens each, continuous batching, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
+             f"requests per slot (at least one each), {meta['max_tokens']}{spread} tokens each, continuous batching, "
+             f"max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
              f"{meta['rounds']} rounds, contenders interleaved. Command: `{meta['command']}`. Warm-up "
              f"{meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} graphs).", "",
              "## End to end", "",
