@@ -139,8 +139,8 @@ def requests_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
 
 
 def lengths_for(n: int, max_tokens: int, spread: int) -> list[int]:
-    """Each request's token budget: ``max_tokens`` for every one, or drawn evenly from ``max_tokens ± spread`` (a fixed
-    seed: the same for every contender), so that requests end apart as real traffic's do."""
+    """Each request's token budget: ``max_tokens`` for every one, or drawn uniformly from ``max_tokens ± spread`` (a
+    fixed seed: the same for every contender), so that requests end apart as real traffic's do."""
     rng = random.Random(0)
     return [max_tokens + (rng.randint(-spread, spread) if spread else 0) for _ in range(n)]
 
@@ -289,8 +289,7 @@ def main() -> None:
         for b in args.batches:
             reqs = requests_for(prompts, b)
             lengths = lengths_for(len(reqs), args.max_tokens, args.length_spread)
-            for name, t in serve_interleaved(eng, reqs, b, lengths, contenders,
-                                                 turn=r).items():
+            for name, t in serve_interleaved(eng, reqs, b, lengths, contenders, turn=r).items():
                 runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
     accounts = {(b, k): account(eng, prompts, b, args.max_tokens, args.length_spread, k)
