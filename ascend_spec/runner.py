@@ -139,7 +139,7 @@ class ModelRunner:
         self.backend: Backend = get_backend(
             g.effective_backend, device, mode=g.mode, frozen_parameter=g.enable_frozen_parameter,
             view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
-            use_cached_graph=g.use_cached_graph)
+            use_cached_graph=g.use_cached_graph, input_guards_only=True)
         self.shapes = self.backend.shapes
         # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
         self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None

@@ -94,7 +94,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autotune", frozen_parameter: bool = True,
                 view_optimize: bool = True, tiling_schedule_optimize: bool = False,
-                use_cached_graph: bool = False, distributed: bool = False) -> Backend:
+                use_cached_graph: bool = False, distributed: bool = False, input_guards_only: bool = False) -> Backend:
+    """``input_guards_only``: inductor on CPU re-checks only the guards on a graph's arguments on each call
+    (``graph.backends.guards``), for callers whose graphs take every per-call value as an argument."""
     device = torch.device(device)
     resolved = resolve_backend_name(name, device)
     if resolved == "eager":
@@ -104,7 +106,7 @@ def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autot
     if resolved == "inductor":
         from .inductor import InductorBackend
 
-        return InductorBackend(device)
+        return InductorBackend(device, input_guards_only=input_guards_only)
     if resolved == "torchair":
         from .torchair import TorchairBackend, TorchairOptions
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .base import DynamicDims, GraphFn, ShapePolicy
+from .guards import keep_input_guards
 
 
 def mark_dims(args: tuple[Any, ...], dims: DynamicDims) -> None:
@@ -31,7 +32,7 @@ class InductorBackend:
     #: compiled layers are nested compile regions (torchair's GE converter has no such op; it compiles flat)
     compile_regions = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, input_guards_only: bool = False) -> None:
         self.device = device
         cuda = device.type == "cuda"
         self.mode = "reduce-overhead" if cuda else None
@@ -42,11 +43,19 @@ class InductorBackend:
         self.attention_kernel = "gather"
         #: MKL's sgemm is far faster with the few tokens of a decode step as the right operand (graph.layers.Linear)
         self.weight_left_matmul = not cuda
+        # Guards on the arguments only (graph.backends.guards), where the caller's graphs take every per-call value
+        # as one: the rest cost a CPU step 0.4-0.6 ms. CUDA keeps Dynamo's defaults (torch.compile takes ``mode``
+        # or ``options``, not both; unmeasured there).
+        self.guard_filter = keep_input_guards if input_guards_only and not cuda else None
+
+    def _options(self) -> dict[str, Any] | None:
+        # a new dict each call: torch.compile pops "guard_filter_fn" out of the one it is given
+        return None if self.guard_filter is None else {"guard_filter_fn": self.guard_filter}
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if dims is None:
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
-        compiled = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode)
+            return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode, options=self._options())
+        compiled = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode, options=self._options())
 
         def call(*args: Any) -> Any:
             # Any call may compile (a batch of one specialises its own graph): mark the dynamic dimensions of every
