@@ -1,4 +1,5 @@
 """The fused one-graph step: same tokens as the step-by-step path, no host syncs, K chosen per bucket."""
+import dataclasses
 import pytest
 import torch
 
@@ -18,6 +19,14 @@ TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    de
 MAX_TOKENS = [30, 50, 20, 60, 40]
 MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingParams(temperature=1.0),
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
+
+
+def _inductor_config(k: int) -> EngineConfig:
+    """The compiled engine of these tests, one configuration for all: a graph another test compiled (same model, K,
+    sampling mode, max_model_len and KV pool) is then a hit in inductor's cache, not a second compile."""
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
+                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
 
 
 def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128):
@@ -277,9 +286,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     max_model_len, greedy, seeded random and logprobs rows) compiles nothing and makes no host sync."""
     from ascend_spec.engine import dynamo_compile_count
 
-    cfg = EngineConfig(max_model_len=160, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
-    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    eng = load_engine(trained_dir, _inductor_config(2), count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
@@ -297,10 +304,9 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     assert stats.recompiles_after_warmup == 0 and gstats.recompiles_after_warmup == 0
     assert stats.host_syncs == 0 and gstats.host_syncs == 0
     assert {o.finish_reason for o in got} >= {"max_model_len"}
-    ref, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(prompts[:3], SamplingParams(),
-                                                                                 [200, 20, 40])
+    ref, _, _ = _engine(trained_dir, 2, fused=False).generate(prompts[:3], SamplingParams(), [200, 20, 40])
     assert [o.token_ids for o in greedy] == [o.token_ids for o in ref]
-    ref_mixed, _, _ = _engine(trained_dir, 2, fused=False, max_model_len=160).generate(
+    ref_mixed, _, _ = _engine(trained_dir, 2, fused=False).generate(
         prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]
 
@@ -346,10 +352,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     from 3 to 1 compiles nothing and gives the step-by-step engine's tokens."""
     from ascend_spec.engine import dynamo_compile_count
 
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    cfg = EngineConfig(max_model_len=96, max_num_seqs=4, speculative=spec,
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
-    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    eng = load_engine(trained_dir, _inductor_config(k), count_host_syncs=True)
     report = eng.warmup(progress=False)
     # two step graphs (two rows, one row), the prompt graph and, speculating, the prompts' draft chain
     assert report.graphs_compiled == (4 if k else 3)
@@ -358,8 +361,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert dynamo_compile_count() == before and stats.host_syncs == 0
-    ref, _, _ = _engine(trained_dir, k, fused=False, max_model_len=96).generate(prompts[:3], SamplingParams(),
-                                                                                [40, 10, 20])
+    ref, _, _ = _engine(trained_dir, k, fused=False).generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
@@ -409,10 +411,11 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
     from ascend_spec.graph.config import KV_BLOCK_SIZE
 
     def engine():
-        graph = TorchairGraphConfig(enabled=fused_backend != "eager", backend=fused_backend, graph_batch_sizes=(1, 2))
-        return load_engine(trained_dir, EngineConfig(max_model_len=128, max_num_seqs=2,
-                                                     speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                     graph=graph, fused_step=True, adaptive_k=True))
+        cfg = dataclasses.replace(_inductor_config(2), adaptive_k=True)
+        if fused_backend == "eager":
+            cfg = dataclasses.replace(cfg, graph=TorchairGraphConfig(enabled=False, backend="eager",
+                                                                     graph_batch_sizes=(1, 2, 4)))
+        return load_engine(trained_dir, cfg)
 
     def run(k_of_step):
         eng = engine()

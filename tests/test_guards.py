@@ -25,15 +25,16 @@ def _recording(kept: list[list[tuple[str, str, bool]]]):
     return record
 
 
-def test_engine_graphs_keep_only_argument_and_global_state_guards(bundled_dir, monkeypatch):
+def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, monkeypatch):
     kept: list[list[tuple[str, str, bool]]] = []
     # the backend takes the module's filter when the engine builds it: record what that filter keeps
     monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
     from ascend_spec.graph.weights import load_model
 
-    cfg = EngineConfig(max_model_len=256, max_num_seqs=2, speculative=SpeculativeConfig(num_speculative_tokens=1),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(2,)))
-    eng = Engine(load_model(bundled_dir), cfg)
+    # test_fused_step's compiled configuration: Dynamo traces (and filters) anew, inductor's cache has the graphs
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2),
+                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
+    eng = Engine(load_model(trained_dir), cfg)
     eng.warmup(progress=False)
     assert kept, "no graph compiled through the filter"
     for graph in kept:
