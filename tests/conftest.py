@@ -69,6 +69,14 @@ def moe_ckpts(tmp_path_factory):
             "bundled-moe": moe_from_bundled(root / "bundled-moe")}
 
 
+def inductor_config(k: int) -> EngineConfig:
+    """The compiled engine of test_fused_step and test_guards: one model, max_model_len and KV pool, so that an
+    engine warmed up as an earlier one was finds its graphs in inductor's cache instead of compiling them again."""
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
+                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
+
+
 def generate_without_recompiles(engine, prompts, max_tokens):
     """Generate under ``fail_on_recompile``, recording the batch size of every step: (stats, batch sizes seen)."""
     from ascend_spec.sampling import SamplingParams

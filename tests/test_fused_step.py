@@ -14,19 +14,13 @@ from ascend_spec.scheduler import ACCEPTANCE_WINDOW
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
+from .conftest import inductor_config
+
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
          "for i in range(10):\n", "    return"]
 MAX_TOKENS = [30, 50, 20, 60, 40]
 MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingParams(temperature=1.0),
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
-
-
-def _inductor_config(k: int) -> EngineConfig:
-    """The compiled engine of these tests, one configuration for all: a graph another test compiled (same model, K,
-    sampling mode, max_model_len and KV pool) is then a hit in inductor's cache, not a second compile."""
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
-                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
 
 
 def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128):
@@ -286,7 +280,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     max_model_len, greedy, seeded random and logprobs rows) compiles nothing and makes no host sync."""
     from ascend_spec.engine import dynamo_compile_count
 
-    eng = load_engine(trained_dir, _inductor_config(2), count_host_syncs=True)
+    eng = load_engine(trained_dir, inductor_config(2), count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
@@ -352,7 +346,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     from 3 to 1 compiles nothing and gives the step-by-step engine's tokens."""
     from ascend_spec.engine import dynamo_compile_count
 
-    eng = load_engine(trained_dir, _inductor_config(k), count_host_syncs=True)
+    eng = load_engine(trained_dir, inductor_config(k), count_host_syncs=True)
     report = eng.warmup(progress=False)
     # two step graphs (two rows, one row), the prompt graph and, speculating, the prompts' draft chain
     assert report.graphs_compiled == (4 if k else 3)
@@ -411,7 +405,7 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
     from ascend_spec.graph.config import KV_BLOCK_SIZE
 
     def engine():
-        cfg = dataclasses.replace(_inductor_config(2), adaptive_k=True)
+        cfg = dataclasses.replace(inductor_config(2), adaptive_k=True)
         if fused_backend == "eager":
             cfg = dataclasses.replace(cfg, graph=TorchairGraphConfig(enabled=False, backend="eager",
                                                                      graph_batch_sizes=(1, 2, 4)))

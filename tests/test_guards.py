@@ -5,11 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
 from ascend_spec.graph.backends import get_backend, guards
 from ascend_spec.graph.backends.guards import GLOBAL_STATE_GUARDS, keep_input_guards
 from ascend_spec.graph.backends import inductor
+
+from .conftest import inductor_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -31,10 +32,8 @@ def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, m
     monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
     from ascend_spec.graph.weights import load_model
 
-    # test_fused_step's compiled configuration: Dynamo traces (and filters) anew, inductor's cache has the graphs
-    cfg = EngineConfig(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
-    eng = Engine(load_model(trained_dir), cfg)
+    # test_fused_step's engine: Dynamo traces (and filters) anew, inductor's cache has the graphs
+    eng = Engine(load_model(trained_dir), inductor_config(2))
     eng.warmup(progress=False)
     assert kept, "no graph compiled through the filter"
     for graph in kept:
