@@ -32,7 +32,7 @@ def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, m
     monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
     from ascend_spec.graph.weights import load_model
 
-    # test_fused_step's engine: Dynamo traces (and filters) anew, inductor's cache has the graphs
+    # test_fused_step's engine: Dynamo traces (and filters) anew; in the suite, inductor's cache has its graphs
     eng = Engine(load_model(trained_dir), inductor_config(2))
     eng.warmup(progress=False)
     assert kept, "no graph compiled through the filter"
