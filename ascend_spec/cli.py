@@ -48,8 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--kv-blocks", type=int, default=None, metavar="N",
-                   help="KV cache pool in blocks of 16 tokens (default: max_num_seqs full-length sequences); "
+                   help="KV cache pool in blocks of --block-size tokens (default: max_num_seqs full-length sequences); "
                         "blocks are taken as sequences grow, the newest request is preempted when they run out")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="tokens per KV block, a multiple of 16 (default 16; FlashMLA uses 64, vllm-ascend's MLA 128)")
+    g.add_argument("--kv-layout", choices=["fused", "pair"], default=None,
+                   help="KV cache layout: one 576-wide latent (fused, vLLM's) or nope and rope tensors apart "
+                        "(pair, vllm-ascend's); default fused")
     g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="decode without speculation")
@@ -99,7 +104,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         except ValueError:
             raise ConfigError(f"--graph-batch-sizes={args.graph_batch_sizes!r}; allowed: comma-separated ints")
     kwargs = {}
-    for key in ("max_model_len", "max_num_seqs", "kv_blocks"):
+    for key in ("max_model_len", "max_num_seqs", "kv_blocks", "block_size", "kv_layout"):
         value = getattr(args, key) if getattr(args, key) is not None else data.get(key)
         if value is not None:
             kwargs[key] = value

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from .graph.latent_cache import DEFAULT_BLOCK_SIZE, LAYOUTS
+
 SPEC_METHODS = ("deepseek_mtp", "mtp")
 GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
 BACKENDS = ("auto", "eager", "inductor", "torchair")
@@ -154,14 +156,22 @@ class TorchairGraphConfig:
         return default_graph_batch_sizes(max_num_seqs)
 
 
+#: largest KV block size the engine takes (vllm-ascend's MLA kernel block is 128)
+MAX_BLOCK_SIZE = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Harness limits. ``speculative`` None means no speculation. ``kv_blocks``: the KV pool in blocks of 16
-    tokens (block 0 reserved); default room for ``max_num_seqs`` sequences of ``max_model_len``."""
+    """Harness limits. ``speculative`` None means no speculation. ``kv_blocks``: the KV pool in blocks of
+    ``block_size`` tokens (block 0 reserved); default room for ``max_num_seqs`` sequences of ``max_model_len``.
+    ``block_size`` and ``kv_layout`` are the serving engine's: 16 (vLLM's CPU_MLA), 64 (FlashMLA), 128 with a
+    ``pair`` layout (vllm-ascend's MLA: nope and rope caches apart)."""
 
     max_model_len: int = 512
     max_num_seqs: int = 16
     kv_blocks: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_layout: str = "fused"
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
     #: a decode step is one graph (verify + sampling + drafting) over device-side batch state; False: the
@@ -179,6 +189,12 @@ class EngineConfig:
         if self.kv_blocks is not None and (isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
                                            or self.kv_blocks < 2):
             raise ConfigError(f"kv_blocks={self.kv_blocks!r}; allowed: an int >= 2 (block 0 is reserved)")
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs % 16 or bs > MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size={bs!r}; allowed: a multiple of 16 up to {MAX_BLOCK_SIZE} "
+                              "(16: vLLM CPU_MLA, 64: FlashMLA, 128: vllm-ascend MLA)")
+        if self.kv_layout not in LAYOUTS:
+            raise ConfigError(f"kv_layout={self.kv_layout!r}; allowed: {list(LAYOUTS)}")
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -194,7 +210,7 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, found {type(data).__name__}")
     _check_keys(str(path), data, ("speculative_config", "additional_config", "max_model_len", "max_num_seqs",
-                                  "kv_blocks"))
+                                  "kv_blocks", "block_size", "kv_layout"))
     for section in ("speculative_config", "additional_config"):
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(f"{path}: {section} must be a mapping of keys, got {data[section]!r}")

@@ -55,8 +55,9 @@ class Engine:
         self.spec = cfg.speculative
         self.k = self.spec.num_speculative_tokens if self.spec else 0
         self.caches = KVCaches.allocate(mcfg, cfg.max_model_len, cfg.max_num_seqs, self.device,
-                                        dtype=self.dtype, num_blocks=cfg.kv_blocks)
-        self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len)
+                                        dtype=self.dtype, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
+                                        layout=cfg.kv_layout)
+        self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len, cfg.block_size)
         self.acceptance = AcceptanceTracker.empty(self.k)
         self.runner = ModelRunner(model, cfg, self.device, self.caches, self.acceptance, count_host_syncs)
         self.eos_token_id = mcfg.eos_token_id

@@ -21,6 +21,7 @@ from . import spec_decode
 from .graph.backends.base import Backend, DynamicDims, clone_with_name
 from .graph.buckets import note_graph_failure
 from .graph.model import DeepseekV3ForCausalLM
+from .graph.latent_cache import LatentCache, block_size_of
 from .graph.steps import make_draft_step, make_target_step, slots_for
 from .proposer import shift_in_next_tokens
 from .sampling import SamplingTensors
@@ -76,11 +77,12 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
     n_logprobs = min(MAX_LOGPROBS, vocab)
 
     def verify(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
-               live: torch.Tensor, caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+               live: torch.Tensor, caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, ...]:
         positions = start.view(-1, 1) + torch.arange(q, device=start.device)
         in_range = positions < max_model_len
         pos = torch.where(in_range, positions, torch.zeros_like(positions))
-        slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table), torch.full_like(pos, -1))
+        slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table, block_size_of(caches[0])),
+                            torch.full_like(pos, -1))
         seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
         # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
         nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
@@ -99,7 +101,7 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
 
     def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, nd: torch.Tensor,
                 pos: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, draft_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                seq_lens: torch.Tensor, draft_cache: LatentCache) -> tuple[torch.Tensor, ...]:
         b = input_ids.shape[0]
         if draft is None:
             valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
@@ -137,7 +139,7 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor,
-                  caches: tuple[torch.Tensor, ...], draft_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                  caches: tuple[LatentCache, ...], draft_cache: LatentCache) -> tuple[torch.Tensor, ...]:
         pos, slots, seq_lens, nd, hidden, logits = phases.verify(input_ids, start, num_draft, block_table, live,
                                                                  caches)
         sampled, *extra = phases.accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform,

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .graph.attention import num_blocks_for
-from .graph.config import KV_BLOCK_SIZE, ModelConfig
+from .graph.config import ModelConfig
+from .graph.latent_cache import LatentCache, allocate_latent_cache, cache_tensors, num_blocks_for
 
-NULL_BLOCK = 0  # never handed out: rows with slot -1 are redirected here (see graph.attention.write_latent_cache)
+NULL_BLOCK = 0  # never handed out: rows with slot -1 are redirected here (see graph.latent_cache.write_latent_cache)
 
 
 class OutOfBlocks(RuntimeError):
@@ -44,12 +44,13 @@ class BlockAllocator:
 class BlockManager:
     """Grows each sequence's block list on demand from one :class:`BlockAllocator`."""
 
-    def __init__(self, allocator: BlockAllocator, max_model_len: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_model_len: int, block_size: int) -> None:
         self.allocator = allocator
         self.max_model_len = max_model_len
+        self.block_size = block_size
 
     def blocks_for(self, num_tokens: int) -> int:
-        return num_blocks_for(min(num_tokens, self.max_model_len))
+        return num_blocks_for(min(num_tokens, self.max_model_len), self.block_size)
 
     def ensure_capacity(self, blocks: list[int], num_tokens: int) -> bool:
         """Extend ``blocks`` (in place: the sequence's own list) to hold ``num_tokens`` tokens, capped at
@@ -70,35 +71,43 @@ class BlockManager:
 
 @dataclass
 class KVCaches:
-    """One ``[num_blocks, 16, 576]`` latent cache per target layer, plus one for the MTP draft layer.
+    """One latent cache per target layer, plus one for the MTP draft layer, each ``layout`` (fused
+    ``[num_blocks, block_size, 576]`` or a nope/rope pair, :mod:`.graph.latent_cache`).
 
     Both share block ids: a request's block table addresses the target caches and the draft cache alike.
     """
 
-    target: tuple[torch.Tensor, ...]
-    draft: torch.Tensor
+    target: tuple[LatentCache, ...]
+    draft: LatentCache
     allocator: BlockAllocator
     max_blocks_per_seq: int
+    block_size: int
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_model_len: int, max_num_seqs: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32, num_blocks: int | None = None) -> "KVCaches":
+                 dtype: torch.dtype = torch.float32, num_blocks: int | None = None, block_size: int = 16,
+                 layout: str = "fused") -> "KVCaches":
         """``num_blocks``: the pool, null block included; default room for ``max_num_seqs`` full-length
         sequences. It must hold one ``max_model_len`` sequence (preemption can always free enough for one)."""
-        per_seq = num_blocks_for(max_model_len)
+        per_seq = num_blocks_for(max_model_len, block_size)
         if num_blocks is None:
             num_blocks = per_seq * max_num_seqs + 1
         elif num_blocks < per_seq + 1:
-            raise ValueError(f"kv_blocks={num_blocks}: {num_blocks - 1} usable blocks of {KV_BLOCK_SIZE} tokens "
+            raise ValueError(f"kv_blocks={num_blocks}: {num_blocks - 1} usable blocks of {block_size} tokens "
                              f"cannot hold one max_model_len={max_model_len} sequence; allowed: >= {per_seq + 1} "
                              "(block 0 is reserved)")
-        shape = (num_blocks, KV_BLOCK_SIZE, cfg.latent_dim)
-        target = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers))
-        draft = torch.zeros(shape, dtype=dtype, device=device)
+
+        def one() -> LatentCache:
+            return allocate_latent_cache(layout, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                         dtype, device)
+
+        target = tuple(one() for _ in range(cfg.num_hidden_layers))
+        draft = one()
         if torch.device(device).type == "cuda":
             # The pool lives as long as the engine: CUDA graphs must read and write it where it is. CUDA graph trees
             # copy an input that is not static into a buffer of their own; unmarked, greedy decoding under CUDA
             # graphs left eager's tokens at the first decoded one (H100, torch 2.11).
             for cache in (*target, draft):
-                torch._dynamo.mark_static_address(cache)
-        return cls(target, draft, BlockAllocator(num_blocks), per_seq)
+                for t in cache_tensors(cache):
+                    torch._dynamo.mark_static_address(t)
+        return cls(target, draft, BlockAllocator(num_blocks), per_seq, block_size)

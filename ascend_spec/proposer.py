@@ -12,7 +12,7 @@ import torch
 
 from . import spec_decode
 from .config import SpeculativeConfig
-from .graph.attention import num_blocks_for
+from .graph.latent_cache import LatentCache, block_size_of, cache_tensors, num_blocks_for
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_draft_step
 
@@ -51,7 +51,7 @@ class MtpProposer:
     """Eager MTP drafter (the reference). ``MtpTorchairProposer`` replays compiled graphs per bucket."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, spec: SpeculativeConfig, max_model_len: int,
-                 draft_cache: torch.Tensor) -> None:
+                 draft_cache: LatentCache) -> None:
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -66,6 +66,11 @@ class MtpProposer:
         self.vocab_size = model.cfg.vocab_size
         self._draft_fn = make_draft_step(model, self.num_speculative_tokens, self.max_model_len)
 
+    @property
+    def table_width(self) -> int:
+        """Block-table columns that cover ``max_model_len`` in the draft cache's own block size."""
+        return num_blocks_for(self.max_model_len, block_size_of(self.draft_cache))
+
     def dummy_run(self, num_reqs: int) -> None:
         """Run one inert draft (every row padded) for ``num_reqs`` requests, e.g. to warm up."""
         self._run_draft(*self._inert_batch(num_reqs))
@@ -73,11 +78,12 @@ class MtpProposer:
     def _inert_batch(self, num_reqs: int, width: int | None = None) -> list[torch.Tensor]:
         """Draft-step inputs in the verify layout (Q = 1 + K) whose rows are all padding: slot -1, seq_len 0."""
         q = 1 + self.num_speculative_tokens
-        dev = self.draft_cache.device
+        like = cache_tensors(self.draft_cache)[0]
+        dev = like.device
         ids = torch.zeros(num_reqs, q, dtype=torch.long, device=dev)
         per_req = torch.zeros(num_reqs, dtype=torch.long, device=dev)
-        hidden = torch.zeros(num_reqs, q, self.model.cfg.hidden_size, dtype=self.draft_cache.dtype, device=dev)
-        table = torch.zeros(num_reqs, width or num_blocks_for(self.max_model_len), dtype=torch.long, device=dev)
+        hidden = torch.zeros(num_reqs, q, self.model.cfg.hidden_size, dtype=like.dtype, device=dev)
+        table = torch.zeros(num_reqs, width or self.table_width, dtype=torch.long, device=dev)
         return [ids, ids, hidden, per_req, torch.full_like(ids, -1), table, per_req]
 
     # -- padded bookkeeping (vLLM's names; no host syncs) ---------------------------------------

@@ -37,7 +37,6 @@ from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, t
 from .graph.backends import Backend, get_backend
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
-from .graph.config import KV_BLOCK_SIZE
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
@@ -194,7 +193,7 @@ class ModelRunner:
         """Block-table columns a step passes: the live blocks on trimming backends, else the full width."""
         if not self.shapes.trim_context:
             return self.max_blocks
-        return live_blocks(min(longest_tokens, self.cfg.max_model_len), self.max_blocks)
+        return live_blocks(min(longest_tokens, self.cfg.max_model_len), self.max_blocks, self.caches.block_size)
 
     def bucket_for(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""
@@ -421,7 +420,7 @@ class ModelRunner:
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([list(range(f, e)) + [e - 1] * (n - m) for f, e, m in zip(firsts, ends, lens)],
                            dtype=torch.long, device=dev)
-        slots = torch.tensor([slots_of(s, list(range(f, e)), max_len) + [-1] * (n - m)
+        slots = torch.tensor([slots_of(s, list(range(f, e)), max_len, self.caches.block_size) + [-1] * (n - m)
                               for s, f, e, m in zip(seqs, firsts, ends, lens)], dtype=torch.long, device=dev)
         table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
         return (ids, pos, slots, table, torch.tensor(ends, dtype=torch.long, device=dev),
@@ -626,7 +625,7 @@ class ModelRunner:
         max_len = self.cfg.max_model_len
         # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
         width = self.width_for(max(s.num_tokens + 2 * k for s in running))
-        stats.attention_keys_read += batch.rows * width * KV_BLOCK_SIZE
+        stats.attention_keys_read += batch.rows * width * self.caches.block_size
         stats.attention_keys_live += sum(s.num_tokens for s in running) + b * k
         noise = None
         if mode == RANDOM:
@@ -696,7 +695,7 @@ class ModelRunner:
             positions = [p + j for j in range(q)]
             rows_ids.append([seq.last_token] + seq.draft_ids[: self.k])
             rows_pos.append([x if x < max_len else 0 for x in positions])
-            rows_slots.append(slots_of(seq, positions, max_len))
+            rows_slots.append(slots_of(seq, positions, max_len, self.caches.block_size))
             num_draft.append(nd)
         b = len(running)
         input_ids = torch.tensor(rows_ids, dtype=torch.long, device=dev)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .graph.config import KV_BLOCK_SIZE
 from .kv_cache import BlockManager
 from .sampling import SamplingParams
 
@@ -181,7 +180,7 @@ def block_row(seq: Sequence, width: int) -> list[int]:
     return seq.blocks[:width] + [0] * (width - min(len(seq.blocks), width))
 
 
-def slots_of(seq: Sequence, positions: list[int], max_model_len: int) -> list[int]:
-    """Cache slots of ``positions``; -1 (write nothing) at or past ``max_model_len``."""
-    return [seq.blocks[p // KV_BLOCK_SIZE] * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
+def slots_of(seq: Sequence, positions: list[int], max_model_len: int, block_size: int) -> list[int]:
+    """Cache slots of ``positions`` in blocks of ``block_size``; -1 (write nothing) at or past ``max_model_len``."""
+    return [seq.blocks[p // block_size] * block_size + p % block_size
             if p < max_model_len else -1 for p in positions]

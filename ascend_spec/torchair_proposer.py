@@ -16,7 +16,7 @@ import torch
 
 from .config import DEFAULT_PREFILL_QUERY_WIDTHS, SpeculativeConfig
 from .graph.backends import Backend, get_backend
-from .graph.attention import num_blocks_for
+from .graph.latent_cache import LatentCache, cache_tensors
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
@@ -30,10 +30,10 @@ DRAFT_BATCH_ARGS = (BatchArg("input_ids", 0, query=True), BatchArg("positions", 
 
 class MtpTorchairProposer(MtpProposer):
     def __init__(self, model: DeepseekV3ForCausalLM, spec: SpeculativeConfig, max_model_len: int,
-                 draft_cache: torch.Tensor, *, backend: Backend | None = None,
+                 draft_cache: LatentCache, *, backend: Backend | None = None,
                  batch_sizes: list[int] | None = None,
                  prefill_widths: Sequence[int] = DEFAULT_PREFILL_QUERY_WIDTHS) -> None:
-        self.backend = backend or get_backend("auto", draft_cache.device)
+        self.backend = backend or get_backend("auto", cache_tensors(draft_cache)[0].device)
         self.batch_sizes = sorted(batch_sizes or [1, 2, 4, 8])
         #: query widths (tokens per request) prefill and mixed batches replay a graph for, besides 1 + K
         self.prefill_widths = tuple(prefill_widths)
@@ -57,7 +57,7 @@ class MtpTorchairProposer(MtpProposer):
         tables replay widths from small (distinct from the warm-up batch size, so Dynamo keeps the two dimensions
         apart) to the full ``max_model_len`` (``warm_widths``); with a dynamic query axis, prefill widths too
         (distinct from the other two dimensions)."""
-        full = num_blocks_for(self.max_model_len)
+        full = self.table_width
         q = 1 + self.num_speculative_tokens
         # The first compile sees rows, query and table width: distinct sizes, so Dynamo gives each its own symbol.
         widths = warm_widths(full, smallest=max(3, q + 1)) if self.backend.shapes.trim_context else None

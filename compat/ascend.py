@@ -228,6 +228,9 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
     block_size)``; ``dummy_run`` and the 4-tuple ``prepare_inputs_padded`` stay vllm-ascend's (they prepare
     its graphs and metadata, which fallbacks use)."""
 
+    #: vllm-ascend's MLA keeps the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` apart
+    _ascend_kv_layout = "pair"
+
     def _probe_api(self) -> list[Missing]:
         return probe_ascend_proposer_api(self.vllm_base)
 

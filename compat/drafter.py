@@ -40,6 +40,8 @@ import torch
 from ascend_spec import spec_decode
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.latent_cache import (LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
+                                            describe, same_shape)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
@@ -141,6 +143,8 @@ class AscendSpecMtpMixin:
     #: vLLM's drafter class this adapter subclasses (set by :func:`build_adapter_class`)
     vllm_base: type = object
     __ascend_spec_adapter__ = True
+    #: how the platform's MLA backend keeps the draft cache (graph.latent_cache): vLLM's fused 576-wide latent
+    _ascend_kv_layout = "fused"
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, device, runner, *args, **kwargs)
@@ -199,13 +203,14 @@ class AscendSpecMtpMixin:
             raise CompatError(f"ascend_spec drafter expects one draft attention layer, vLLM built {names}")
         self._ascend_layer = names[0]
         cfg = self._ascend_model.cfg
-        # The cache is bound after this call; compile against a same-shape stand-in (graphs take the
-        # cache as an input, so the real one replaces it without a recompile).
-        stand_in = torch.empty(kv_cache_config.num_blocks, draft_block_size(self), cfg.latent_dim,
-                               dtype=self.vllm_config.model_config.dtype, device=self.device)
+        # The cache is bound after this call; compile against a stand-in of the same layout, block size and shape
+        # (graphs take the cache as an input, so the real one replaces it without a recompile).
+        stand_in = allocate_latent_cache(self._ascend_kv_layout, kv_cache_config.num_blocks, draft_block_size(self),
+                                         cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                         self.vllm_config.model_config.dtype, self.device)
         self._build_ascend(stand_in)
 
-    def _build_ascend(self, cache: torch.Tensor) -> None:
+    def _build_ascend(self, cache: LatentCache) -> None:
         s = self.ascend_settings
         g = s.graph
         backend = get_backend(g.effective_backend, self.device, mode=g.mode,
@@ -241,10 +246,16 @@ class AscendSpecMtpMixin:
 
     def _bind_cache(self) -> None:
         cfg = self._ascend_model.cfg
-        cache = draft_cache_view(self.vllm_config, self._ascend_layer, cfg.latent_dim, draft_block_size(self))
-        if cache.shape != self._ascend.draft_cache.shape:
+        cache = draft_cache_view(self.vllm_config, self._ascend_layer, (cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+                                 draft_block_size(self))
+        if not same_shape(cache, self._ascend.draft_cache):
             logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
-                           tuple(cache.shape), tuple(self._ascend.draft_cache.shape))
+                           describe(cache), describe(self._ascend.draft_cache))
+        if self.device.type == "cuda":
+            # vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy
+            # of their own (unmarked, the engine's own pool lost its writes under CUDA graphs).
+            for t in cache_tensors(cache):
+                torch._dynamo.mark_static_address(t)
         self._ascend.draft_cache = cache
         self._ascend_cache_bound = True
 
@@ -391,11 +402,11 @@ class AscendSpecMtpMixin:
                 self.ascend_stats.graph_calls += 1
             else:
                 self.ascend_stats.eager_calls += 1
-        block = self._ascend.draft_cache.shape[1]
-        full = (self.max_model_len + block - 1) // block
+        block = block_size_of(self._ascend.draft_cache)
+        full = self._ascend.table_width
         # Context is data: on backends that compile a dynamic width the table covers the live blocks only
         # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
-        width = live_blocks(f.max_seq_len + k, full) if self._ascend.backend.shapes.trim_context else full
+        width = live_blocks(f.max_seq_len + k, full, block) if self._ascend.backend.shapes.trim_context else full
         inputs = DraftInputs(
             target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
             next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,

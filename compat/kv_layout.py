@@ -4,16 +4,18 @@ vLLM registers one MLA attention layer per MTP layer (``model.layers.{N}.self_at
 allocates its cache with the target's layers (one KV cache group, one block table) and binds it to the
 layer as ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` (0.32; ``[num_blocks, 1, block,
 latent]`` in the runner's list). Per token: ``[:kv_lora_rank]`` the normed latent, then ``k_pe`` after
-interleaved RoPE, which is ``graph.attention``'s layout. The view shares storage: what our draft graph
-writes is what vLLM's own MTP layer would have written, at the same slots.
+interleaved RoPE, which is ``graph.attention``'s layout. vllm-ascend's MLA binds the two parts apart, nope
+``[num_blocks, block_size, 1, kv_lora_rank]`` and rope ``[num_blocks, block_size, 1, qk_rope_head_dim]`` (block
+size 128): our graphs take that pair as it is (``graph.latent_cache``). The views share storage: what our draft
+graph writes is what vLLM's own MTP layer would have written, at the same slots, whatever the block size.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+from ascend_spec.graph.latent_cache import LatentCache
 
-from .shims import bound_kv_cache, draft_block_size, probe_draft_kv_cache, raise_if_missing
+from .shims import bound_kv_cache, draft_block_size, draft_kv_cache_parts, raise_if_missing
 
 __all__ = ["draft_block_size", "draft_cache_view", "draft_layer_names"]
 
@@ -26,9 +28,10 @@ def draft_layer_names(proposer: Any) -> list[str]:
     return sorted(names)
 
 
-def draft_cache_view(vllm_config: Any, layer_name: str, latent: int, block_size: int) -> torch.Tensor:
-    """``[num_blocks, block_size, latent]`` view of the cache bound to ``layer_name`` (no copy)."""
+def draft_cache_view(vllm_config: Any, layer_name: str, widths: tuple[int, int], block_size: int) -> LatentCache:
+    """The cache bound to ``layer_name`` in our layout (views, no copy): fused ``[num_blocks, block_size, C + R]``
+    or the pair ``([num_blocks, block_size, C], [num_blocks, block_size, R])``; ``widths`` = ``(C, R)``."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
-    kv = bound_kv_cache(layer)
-    raise_if_missing(probe_draft_kv_cache(kv, layer_name, latent, block_size), "draft KV cache layout")
-    return kv.squeeze(1) if kv.dim() == 4 else kv
+    cache, missing = draft_kv_cache_parts(bound_kv_cache(layer), layer_name, widths, block_size)
+    raise_if_missing(missing, "draft KV cache layout")
+    return cache

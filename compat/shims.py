@@ -232,12 +232,18 @@ def attn_fields(common_attn_metadata: Any) -> AttnFields:
 
 
 @covers("kv_cache_binding")
-def bound_kv_cache(layer: Any) -> torch.Tensor | None:
-    """The KV cache tensor bound to an attention layer: a tensor (0.32) or a per-virtual-engine list (older)."""
+def bound_kv_cache(layer: Any) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """The KV cache bound to an attention layer, as bound: a tensor (vLLM 0.32), a tuple of tensors (vllm-ascend's
+    MLA: nope and rope apart), or either inside a per-virtual-engine list (older vLLM binds ``[cache]``)."""
     kv = getattr(layer, "kv_cache", None)
-    if isinstance(kv, (list, tuple)):
+    if isinstance(kv, list):
         kv = kv[0] if kv else None
-    if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+    if isinstance(kv, tuple) and not all(isinstance(t, torch.Tensor) for t in kv):
+        kv = kv[0] if len(kv) == 1 else None
+    if isinstance(kv, tuple) and len(kv) == 1:
+        kv = kv[0]
+    parts = kv if isinstance(kv, tuple) else (kv,)
+    if not parts or any(not isinstance(t, torch.Tensor) or t.numel() == 0 for t in parts):
         return None
     return kv
 
@@ -306,17 +312,44 @@ def probe_runner(runner: Any) -> list[Missing]:
     return missing
 
 
-def probe_draft_kv_cache(cache: torch.Tensor | None, layer_name: str, latent: int, block_size: int) -> list[Missing]:
+def _squeeze_head_axis(t: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """``[N, block, W]`` from ``[N, block, W]``, ``[N, 1, block, W]`` (vLLM's 4-D binding) or ``[N, block, 1, W]``
+    (vllm-ascend's nope / rope caches); None for any other shape."""
+    if t.dim() == 3 and t.shape[1] == block_size:
+        return t
+    if t.dim() == 4 and t.shape[1] == 1 and t.shape[2] == block_size:
+        return t.squeeze(1)
+    if t.dim() == 4 and t.shape[1] == block_size and t.shape[2] == 1:
+        return t.squeeze(2)
+    return None
+
+
+def draft_kv_cache_parts(cache: torch.Tensor | tuple[torch.Tensor, ...] | None, layer_name: str,
+                         widths: tuple[int, int], block_size: int
+                         ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, list[Missing]]:
+    """The bound draft cache as our graphs address it — fused ``[N, block, C + R]`` or the pair
+    ``([N, block, C], [N, block, R])``, views of the bound tensors — or None and what is wrong.
+    ``widths``: ``(kv_lora_rank, qk_rope_head_dim)``."""
+    where = f"static_forward_context[{layer_name!r}].kv_cache"
     if cache is None:
-        return [Missing(f"static_forward_context[{layer_name!r}].kv_cache", "no KV cache tensor bound to the "
-                        "draft attention layer", "CompilationConfig.static_forward_context")]
-    ok = cache.dim() in (3, 4) and cache.shape[-1] == latent and cache.shape[-2] == block_size and (
-        cache.dim() == 3 or cache.shape[1] == 1)
-    if not ok:
-        return [Missing(f"static_forward_context[{layer_name!r}].kv_cache",
-                        f"layout {tuple(cache.shape)} is not [num_blocks, {block_size}, {latent}]",
-                        "CompilationConfig.static_forward_context")]
-    return []
+        return None, [Missing(where, "no KV cache tensor bound to the draft attention layer",
+                              "CompilationConfig.static_forward_context")]
+    c, r = widths
+    if isinstance(cache, torch.Tensor):
+        fused = _squeeze_head_axis(cache, block_size)
+        if fused is not None and fused.shape[-1] == c + r:
+            return fused, []
+        shape, want = tuple(cache.shape), f"[num_blocks, {block_size}, {c + r}]"
+    else:
+        pair = tuple(_squeeze_head_axis(t, block_size) for t in cache)
+        if len(pair) == 2 and None not in pair and (pair[0].shape[-1], pair[1].shape[-1]) == (c, r) \
+                and pair[0].shape[0] == pair[1].shape[0]:
+            return (pair[0], pair[1]), []
+        shape = tuple(tuple(t.shape) for t in cache)
+        want = f"([num_blocks, {block_size}, 1, {c}], [num_blocks, {block_size}, 1, {r}])"
+    return None, [Missing(where, f"layout {shape} is neither {want} nor another layout of the latent cache "
+                                 f"(fused [num_blocks, {block_size}, {c + r}], or nope / rope apart)",
+                          "CompilationConfig.static_forward_context")]
 
 
 def detected_drift(runner: Any) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Multi-head latent attention (MLA) over a paged latent KV cache.
 
-One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`` = 576 floats, the layout of vLLM's
-MLA cache (``[num_blocks, block_size, 576]``). The paged path uses the "absorbed" form: queries are
+One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`` = 576 floats, kept fused or as a
+(nope, rope) pair of any block size (:mod:`.latent_cache`). The paged path uses the "absorbed" form: queries are
 projected into the latent space with ``W_UK`` and outputs leave it with ``W_UV``, so keys and values are
 never materialised per head. The dense path (training) materialises them; both compute the same function. The paged step's attention
 proper (latent queries against each request's cached blocks) is a seam: :mod:`.mla_kernels`.
@@ -12,24 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import KV_BLOCK_SIZE, ModelConfig
+from .config import ModelConfig
+from .latent_cache import LatentCache, latent_parts, write_latent_cache
 from .layers import Linear, RMSNorm, RotaryEmbedding
 from .mla_kernels import MLAKernel, PagedInputs, gather_mla
-
-
-def write_latent_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
-    """Write ``latent [N, L]`` into ``cache [num_blocks, block, L]`` at ``slot_mapping [N]``.
-
-    Slot -1 writes nothing. To keep shapes static those rows are redirected to slot 0 (the reserved
-    null block, never handed to a request) carrying slot 0's current value, so slot 0 is unchanged.
-    ``index_put_`` on the 3-D cache (not ``index_copy_`` on a flattened view, which inductor turns into a
-    copy of the whole cache per write) keeps the compiled write in place.
-    """
-    block = cache.shape[1]
-    valid = (slot_mapping >= 0).unsqueeze(-1)
-    slot = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
-    values = torch.where(valid, latent.to(cache.dtype), cache[0, 0].expand_as(latent))
-    cache.index_put_((torch.div(slot, block, rounding_mode="floor"), slot % block), values)
 
 
 class MLAttention(nn.Module):
@@ -81,17 +67,17 @@ class MLAttention(nn.Module):
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # [H, nope, C], [H, v, C]
 
     # -- paged (inference) --------------------------------------------------------------------
-    def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> torch.Tensor:
         """x: [B, Q, D] → [B, Q, D]; writes this forward's latents into ``cache`` first."""
         cfg = self.cfg
         b, q_len, _ = x.shape
         q_nope, q_pe, c_kv, k_pe = self._project(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope], ...
-        write_latent_cache(cache, inp.slot_mapping.reshape(-1),
-                           torch.cat([c_kv, k_pe], dim=-1).reshape(b * q_len, cfg.latent_dim))
+        write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(b * q_len, -1),
+                           k_pe.reshape(b * q_len, -1))
 
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
-        o_lat = self.kernel(q_lat, q_pe, cache, inp, cfg.softmax_scale)
+        o_lat = self.kernel(q_lat, q_pe, latent_parts(cache, cfg.kv_lora_rank), inp, cfg.softmax_scale)
         out = torch.einsum("bqhc,hvc->bqhv", o_lat, w_uv)
         return self.o_proj(out.reshape(b, q_len, -1))
 
@@ -109,7 +95,3 @@ class MLAttention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, scale=cfg.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-
-def num_blocks_for(tokens: int) -> int:
-    return (tokens + KV_BLOCK_SIZE - 1) // KV_BLOCK_SIZE

@@ -16,8 +16,6 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
-# vLLM's CPU MLA kernel only takes a latent of 576 = kv_lora_rank + qk_rope_head_dim and block size 16.
-KV_BLOCK_SIZE = 16
 ROPE_SCALING_TYPES = ("yarn", "deepseek_yarn")
 QUANT_METHODS = ("fp8",)
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

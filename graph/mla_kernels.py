@@ -12,8 +12,8 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   that width, so callers that compile it with a dynamic width pass a table trimmed to the live blocks
   (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
   live request reads, not ``max_model_len``.
-- :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (16-token KV blocks;
-  each row visits only its ``ceil(seq_len / 16)`` blocks). Eager it matches the reference; compiled, no backend
+- :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row visits only
+  its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; compiled, no backend
   can use it yet: on CPU (torch 2.13) its output is wrong, and on CUDA (torch 2.11, H100) the Triton template
   cannot take MLA's 576-wide keys (shared memory overflows at the default tiles; a 1-3 token query block is not
   a multiple of its 16-row tile; with both forced, the output is wrong). Kept, with its eager test, for when a
@@ -22,7 +22,9 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   lengths, as vllm-ascend's torchair MLA decode called it (BSND, latent as ``key``/``value``, rope parts as
   ``query_rope``/``key_rope``); checked against the torch_npu 2.14 wheel's schema and composed under a stand-in
   ``torch_npu`` off-NPU.
-Pad rows (``seq_lens == 0``) get a finite, discarded result.
+Pad rows (``seq_lens == 0``) get a finite, discarded result. Every kernel takes the cache as the pair
+``(kv_c [num_blocks, block_size, C], kv_pe [num_blocks, block_size, R])`` (views of a fused cache, or vllm-ascend's
+nope/rope tensors; :func:`.latent_cache.latent_parts`), of any block size.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .config import KV_BLOCK_SIZE
 
 
 class PagedInputs(NamedTuple):
@@ -43,20 +44,20 @@ class PagedInputs(NamedTuple):
 
 
 class MLAKernel(Protocol):
-    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: PagedInputs,
-                 scale: float) -> torch.Tensor:
-        """``q_lat [B, Q, H, C]``, ``q_pe [B, Q, H, R]``, ``cache [num_blocks, 16, C + R]`` → ``o_lat [B, Q, H, C]``."""
+    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                 inp: PagedInputs, scale: float) -> torch.Tensor:
+        """``q_lat [B, Q, H, C]``, ``q_pe [B, Q, H, R]``, ``cache (kv_c [N, block, C], kv_pe [N, block, R])`` →
+        ``o_lat [B, Q, H, C]``."""
         ...
 
 
-def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: PagedInputs,
-               scale: float) -> torch.Tensor:
-    c = q_lat.shape[-1]
-    ctx = cache[inp.block_table.long()].flatten(1, 2)  # [B, M*block, L]
-    ctx_c, ctx_pe = ctx.split([c, ctx.shape[-1] - c], dim=-1)
+def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+               inp: PagedInputs, scale: float) -> torch.Tensor:
+    table = inp.block_table.long()
+    ctx_c, ctx_pe = (part[table].flatten(1, 2) for part in cache)  # [B, M*block, C], [B, M*block, R]
     scores = torch.einsum("bqhc,bkc->bqhk", q_lat, ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe, ctx_pe)
     scores = scores.float() * scale
-    key_pos = torch.arange(ctx.shape[1], device=q_lat.device)
+    key_pos = torch.arange(ctx_c.shape[1], device=q_lat.device)
     visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
         key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
     # Key 0 stays visible so that pad rows (seq_len 0) get a finite, discarded result, not NaN.
@@ -69,13 +70,15 @@ def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp
     return torch.einsum("bqhk,bkc->bqhc", (e / denom).to(ctx_c.dtype), ctx_c)
 
 
-def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: PagedInputs,
-             scale: float) -> torch.Tensor:
+def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+             inp: PagedInputs, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     b, q_len, h, c = q_lat.shape
-    num_blocks, block, width = cache.shape
-    keys = cache.view(1, 1, num_blocks * block, width)  # the whole pool: kv block i is physical block i
+    num_blocks, block, _ = cache[0].shape
+    # The whole pool as keys (kv block i is physical block i). FlexAttention takes one key tensor, so a cache pair
+    # is concatenated: this kernel is the eager oracle of a masked pool, not a fast path.
+    keys = torch.cat(cache, dim=-1).view(1, 1, num_blocks * block, -1)
     table = inp.block_table.long()
     m = table.shape[1]
     # Each row visits its live blocks only (at least one, so pad rows stay finite); dead table entries point
@@ -106,16 +109,15 @@ NPU_ATTENTION_KWARGS = ("query_rope", "key_rope", "num_heads", "num_key_value_he
                         "block_table", "block_size", "actual_seq_lengths_kv", "atten_mask", "sparse_mode")
 
 
-def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: PagedInputs,
-            scale: float) -> torch.Tensor:
+def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+            inp: PagedInputs, scale: float) -> torch.Tensor:
     """One query token per row and call (BNSD, as vllm-ascend's torchair decode): ``Q`` verify tokens become
     ``B·Q`` rows whose KV length ends at their own position, so causality needs no mask."""
     import torch_npu  # needs CANN; imported on the NPU path only
 
     b, q_len, h, c = q_lat.shape
-    num_blocks, block, width = cache.shape
-    cache4 = cache.view(num_blocks, 1, block, width)
-    kv_c, kv_pe = cache4[..., :c], cache4[..., c:]
+    num_blocks, block, _ = cache[0].shape
+    kv_c, kv_pe = (part.view(num_blocks, 1, block, -1) for part in cache)
     # row (b, q) attends to keys [0, positions[b, q]]; pad rows (seq_len 0) read one key of the null block
     kv_len = torch.where(inp.seq_lens.view(-1, 1) > 0, inp.positions + 1, torch.ones_like(inp.positions))
     kv_len = torch.minimum(kv_len, inp.seq_lens.view(-1, 1).clamp(min=1))
@@ -133,7 +135,7 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, inp: P
 KERNELS: dict[str, MLAKernel] = {"gather": gather_mla, "flex": flex_mla, "npu": npu_mla}
 
 
-def live_blocks(longest_tokens: int, max_blocks: int, minimum: int = 2) -> int:
-    """Block-table width that covers ``longest_tokens`` (at least ``minimum``: a width of 1 would specialise a
-    dynamic dimension and compile a second graph), capped at ``max_blocks``."""
-    return min(max(-(-longest_tokens // KV_BLOCK_SIZE), minimum), max_blocks)
+def live_blocks(longest_tokens: int, max_blocks: int, block_size: int, minimum: int = 2) -> int:
+    """Block-table width that covers ``longest_tokens`` in blocks of ``block_size`` (at least ``minimum``: a width
+    of 1 would specialise a dynamic dimension and compile a second graph), capped at ``max_blocks``."""
+    return min(max(-(-longest_tokens // block_size), minimum), max_blocks)

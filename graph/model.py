@@ -17,6 +17,7 @@ from torch import nn
 
 from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
+from .latent_cache import LatentCache
 from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
 from .mla_kernels import KERNELS
 from .moe import MoE
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
 
 
-def _decoder_layer_paged(layer: "DecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
+def _decoder_layer_paged(layer: "DecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> torch.Tensor:
     h = x + layer.self_attn.forward_paged(layer.input_layernorm(x), inp, cache)
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -47,7 +48,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MoE(cfg.hidden_size, cfg.moe) if cfg.moe is not None and cfg.is_moe_layer(index)
                                else MLP(cfg.hidden_size, cfg.intermediate_size))
 
-    def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: torch.Tensor) -> torch.Tensor:
+    def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> torch.Tensor:
         return (_decoder_layer_region if self.compile_region else _decoder_layer_paged)(self, x, inp, cache)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ class MTPLayer(DecoderLayer):
         return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden)], dim=-1))
 
     def forward_paged_mtp(self, emb: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs,
-                          cache: torch.Tensor) -> torch.Tensor:
+                          cache: LatentCache) -> torch.Tensor:
         return self.forward_paged(self.fuse_inputs(emb, hidden, inp.positions), inp, cache)
 
     def forward_dense_mtp(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -151,7 +152,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.layers[self.cfg.num_hidden_layers + step % n]  # type: ignore[return-value]
 
     # -- target ---------------------------------------------------------------------------------
-    def target_paged(self, input_ids: torch.Tensor, inp: PagedInputs, caches: list[torch.Tensor]) -> torch.Tensor:
+    def target_paged(self, input_ids: torch.Tensor, inp: PagedInputs, caches: list[LatentCache]) -> torch.Tensor:
         """input_ids [B, Q] → final-normed hidden [B, Q, D] (what the MTP layer consumes)."""
         x = self.model.embed_tokens(input_ids)
         for layer, cache in zip(self.decoder_layers, caches):
@@ -168,7 +169,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     # -- MTP ------------------------------------------------------------------------------------
-    def mtp_paged(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: torch.Tensor,
+    def mtp_paged(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: LatentCache,
                   step: int = 0, emb: torch.Tensor | None = None) -> torch.Tensor:
         """``emb``: the embedding of ``next_token_ids`` where the caller already has it (``mtp_greedy``)."""
         if emb is None:

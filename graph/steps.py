@@ -13,23 +13,20 @@ from typing import Callable
 import torch
 
 from .attention import PagedInputs
-from .config import KV_BLOCK_SIZE
+from .latent_cache import LatentCache, block_size_of, slots_for
 from .model import DeepseekV3ForCausalLM
 
 TargetStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def slots_for(positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Cache slot of each position: ``block_table[b, pos // 16] * 16 + pos % 16`` (same shape as positions)."""
-    blocks = torch.gather(block_table.long(), 1, torch.div(positions, KV_BLOCK_SIZE, rounding_mode="floor"))
-    return blocks * KV_BLOCK_SIZE + positions % KV_BLOCK_SIZE
+__all__ = ["make_draft_step", "make_prefill_step", "make_target_step", "slots_for"]
 
 
 def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
     def target_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                    caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
         hidden = model.target_paged(input_ids, inp, list(caches))
         return hidden, model.logits(hidden)
@@ -44,7 +41,7 @@ def make_prefill_step(model: DeepseekV3ForCausalLM) -> TargetStep:
 
     def prefill_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, last_idx: torch.Tensor,
-                     caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                     caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
         hidden = model.target_paged(input_ids, inp, list(caches))
         idx = last_idx.long().view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
@@ -62,14 +59,15 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
     written at ``sample_idx`` (the last accepted position of each row), the target's ``hidden`` states, its
     positions and slots (the draft cache shares the target's block table). Steps 2..K feed back the previous
     draft token (and its embedding, where a vocabulary-parallel host head gathered it with the token) and MTP
-    hidden state one position later; positions past ``max_model_len`` clamp to 0 and
+    hidden state one position later, at slots of the draft cache's own block size; positions past ``max_model_len`` clamp to 0 and
     write nothing (slot -1), and pad rows (``seq_lens == 0``) never write.
     """
 
     def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
                    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+        block_size = block_size_of(cache)
         h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
         idx = sample_idx.long().view(-1, 1)
         h_last = torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)  # [B, D]
@@ -82,7 +80,7 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             exceeds = pos >= max_model_len
             clamped = torch.where(exceeds, torch.zeros_like(pos), pos)
             writable = live & ~exceeds
-            slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table).view(-1),
+            slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table, block_size).view(-1),
                                torch.full_like(pos, -1))
             step_seq_lens = torch.where(writable, clamped + 1, live.long())
             step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens)

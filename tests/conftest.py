@@ -184,6 +184,6 @@ def prefill_inputs(model, lengths: list[int], width: int, seed: int = 0):
         target_token_ids=torch.where(valid, torch.randint(1, model.cfg.vocab_size, (b, width), generator=gen), 0),
         target_positions=pos,
         target_hidden_states=torch.randn(b, width, model.cfg.hidden_size, generator=gen) * valid.unsqueeze(-1),
-        target_slot_mapping=torch.where(valid, slots_for(pos, table), -1),
+        target_slot_mapping=torch.where(valid, slots_for(pos, table, 16), -1),
         next_token_ids=torch.randint(1, model.cfg.vocab_size, (b,), generator=gen),
         token_indices_to_sample=lens - 1, block_table=table, seq_lens=lens)

@@ -267,11 +267,11 @@ def test_acceptance_rates_follow_the_recent_drafts():
 
 
 def test_live_blocks_cover_the_longest_request():
-    assert live_blocks(1, 64) == 2  # never one column: a size-1 dimension would specialise the compiled graph
-    assert live_blocks(33, 64) == 3
-    assert live_blocks(5000, 64) == 64  # capped at the table width
+    assert live_blocks(1, 64, 16) == 2  # never one column: a size-1 dimension would specialise the compiled graph
+    assert live_blocks(33, 64, 16) == 3
+    assert live_blocks(5000, 64, 16) == 64  # capped at the table width
     for n in (17, 160, 700):
-        assert live_blocks(n, 1000) * 16 >= n > (live_blocks(n, 1000) - 1) * 16
+        assert live_blocks(n, 1000, 16) * 16 >= n > (live_blocks(n, 1000, 16) - 1) * 16
 
 
 def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
@@ -402,8 +402,6 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
     """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
     positions are written from the target hidden states the K = 0 steps kept, so its draft cache equals that of an
     engine drafting every step (a gap would be left as zeros) and greedy tokens are unchanged."""
-    from ascend_spec.graph.config import KV_BLOCK_SIZE
-
     def engine():
         cfg = dataclasses.replace(inductor_config(2), adaptive_k=True)
         if fused_backend == "eager":
@@ -419,7 +417,8 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
         out, stats, _ = eng.generate([prompts[0]], SamplingParams(), [40])
         cache = eng.runner.caches.draft
         # entries every verified position has (the last token's is written by the step after it)
-        slots = [seen["blocks"][p // KV_BLOCK_SIZE] * KV_BLOCK_SIZE + p % KV_BLOCK_SIZE
+        bs = eng.caches.block_size
+        slots = [seen["blocks"][p // bs] * bs + p % bs
                  for p in range(seen["num_tokens"] - 1)]
         return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ascend_spec.graph.attention import PagedInputs, write_latent_cache
+from ascend_spec.graph.attention import PagedInputs
+from ascend_spec.graph.latent_cache import write_latent_cache
 from ascend_spec.graph.config import ConfigError, ModelConfig
 from ascend_spec.graph.layers import RotaryEmbedding
 from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
@@ -17,7 +18,7 @@ from .conftest import TINY, random_model
 def _layout(n: int, blocks: list[int]):
     bt = torch.tensor([blocks])
     pos = torch.arange(n).view(1, -1)
-    return bt, pos, slots_for(pos, bt)
+    return bt, pos, slots_for(pos, bt, 16)
 
 
 def test_non_deepseek_config_is_rejected():
@@ -88,7 +89,7 @@ def test_first_draft_matches_dense_mtp():
 def test_slot_minus_one_writes_nothing():
     cache = torch.randn(3, 16, 8)
     before = cache.clone()
-    write_latent_cache(cache, torch.tensor([-1, 17, -1]), torch.ones(3, 8))
+    write_latent_cache(cache, torch.tensor([-1, 17, -1]), torch.ones(3, 6), torch.ones(3, 2))
     changed = (cache != before).any(-1).flatten().nonzero().flatten().tolist()
     assert changed == [17]
     assert torch.equal(cache.view(-1, 8)[17], torch.ones(8))

@@ -24,7 +24,7 @@ def _batch(seq_lens: list[int], q: int, width: int, num_blocks: int = 96, seed: 
     table = torch.zeros(len(seq_lens), width, dtype=torch.long)
     used = 0
     for i, n in enumerate(seq_lens):
-        k = live_blocks(n, width, minimum=1) if n else 0
+        k = live_blocks(n, width, BLOCK, minimum=1) if n else 0
         table[i, :k] = perm[used: used + k]
         used += k
     lens = torch.tensor(seq_lens)
@@ -32,7 +32,7 @@ def _batch(seq_lens: list[int], q: int, width: int, num_blocks: int = 96, seed: 
     q_lat = torch.randn(len(seq_lens), q, H, C, generator=g) * 0.05
     q_pe = torch.randn(len(seq_lens), q, H, R, generator=g) * 0.05
     slots = torch.full_like(positions, -1)
-    return q_lat, q_pe, cache, PagedInputs(positions, slots, table, lens)
+    return q_lat, q_pe, (cache[..., :C], cache[..., C:]), PagedInputs(positions, slots, table, lens)
 
 
 CASES = [([40, 64, 17, 90, 33], 3), ([1, 200, 16], 1), ([5, 0, 48], 2)]  # 0: a pad row
@@ -43,7 +43,7 @@ def test_trimmed_table_equals_full_width(seq_lens, q):
     """The CPU policy: a table trimmed to the live blocks gives what the full width gives."""
     q_lat, q_pe, cache, inp = _batch(seq_lens, q, width=20)
     full = gather_mla(q_lat, q_pe, cache, inp, 0.1)
-    w = live_blocks(max(seq_lens), 20)
+    w = live_blocks(max(seq_lens), 20, BLOCK)
     trimmed = gather_mla(q_lat, q_pe, cache, inp._replace(block_table=inp.block_table[:, :w]), 0.1)
     live = torch.tensor(seq_lens) > 0
     torch.testing.assert_close(trimmed[live], full[live], rtol=1e-5, atol=1e-5)
@@ -69,7 +69,7 @@ def test_cuda_kernel_compiled_equals_eager(seq_lens, q):
 
     kernel = mla_kernels.KERNELS[InductorBackend(torch.device("cuda")).attention_kernel]
     q_lat, q_pe, cache, inp = _batch(seq_lens, q, width=20)
-    q_lat, q_pe, cache = q_lat.cuda(), q_pe.cuda(), cache.cuda()
+    q_lat, q_pe, cache = q_lat.cuda(), q_pe.cuda(), tuple(t.cuda() for t in cache)
     inp = PagedInputs(*(t.cuda() for t in inp))
     ref = gather_mla(q_lat, q_pe, cache, inp, 0.1)
     got = torch.compile(kernel, fullgraph=True)(q_lat, q_pe, cache, inp, 0.1)
@@ -147,6 +147,6 @@ def test_npu_kernel_on_npu():
     q_lat, q_pe, cache, inp = _batch([40, 64, 17], 3, width=8)
     ref = gather_mla(q_lat, q_pe, cache, inp, 0.1)
     dev = "npu"
-    got = mla_kernels.npu_mla(q_lat.to(dev), q_pe.to(dev), cache.to(dev),
+    got = mla_kernels.npu_mla(q_lat.to(dev), q_pe.to(dev), tuple(t.to(dev) for t in cache),
                               PagedInputs(*(t.to(dev) for t in inp)), 0.1).cpu()
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)

@@ -39,7 +39,7 @@ def test_first_draft_matches_dense_mtp(moe_ckpts):
     n = 33
     bt = torch.tensor([[1, 2, 3]])
     pos = torch.arange(n).view(1, -1)
-    slots = slots_for(pos, bt)
+    slots = slots_for(pos, bt, 16)
     with torch.no_grad():
         dense_h = model.target_dense(ids)
         ref = model.mtp_logits(model.mtp_dense(ids[:, 1:], dense_h[:, :-1]))
@@ -110,7 +110,7 @@ def test_weight_left_moe_draft_chain_compiles_right(moe_ckpts):
     table = torch.arange(b * 4).view(b, 4) + 1
     pos = 30 + torch.arange(q).expand(b, q).clone()
     args = (torch.randint(1, cfg.vocab_size, (b, q)), pos, torch.randn(b, q, cfg.hidden_size),
-            torch.tensor([0, 1, 2, 1]), slots_for(pos, table), table, pos[:, -1] + 1)
+            torch.tensor([0, 1, 2, 1]), slots_for(pos, table, 16), table, pos[:, -1] + 1)
     fn = make_draft_step(model, 2, 256)
     with torch.no_grad():
         _, eager = fn(*args, cache.clone())

@@ -159,8 +159,8 @@ def _paged_logits(model, ids):
     step = make_target_step(model)
     # Prefill most of it, then decode the rest token by token: both paths of the paged cache.
     cut = n - 6
-    _, head = step(ids[:, :cut], pos[:, :cut], slots_for(pos[:, :cut], bt), bt, torch.tensor([cut]), caches)
-    tail = [step(ids[:, t:t + 1], pos[:, t:t + 1], slots_for(pos[:, t:t + 1], bt), bt, torch.tensor([t + 1]),
+    _, head = step(ids[:, :cut], pos[:, :cut], slots_for(pos[:, :cut], bt, 16), bt, torch.tensor([cut]), caches)
+    tail = [step(ids[:, t:t + 1], pos[:, t:t + 1], slots_for(pos[:, t:t + 1], bt, 16), bt, torch.tensor([t + 1]),
                  caches)[1] for t in range(cut, n)]
     return torch.cat([head, *tail], dim=1)
 

@@ -4,7 +4,7 @@ import pytest
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
-from ascend_spec.graph.attention import num_blocks_for
+from ascend_spec.graph.latent_cache import num_blocks_for
 from ascend_spec.kv_cache import BlockAllocator, BlockManager
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -12,7 +12,7 @@ from ascend_spec.tokenizer import TextTokenizer
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self",
          "for i in range(10):\n", "with open(path) as f:\n", "raise ValueError(", "@property\ndef name(self):\n"]
 MAX_MODEL_LEN = 128
-SMALL_POOL = num_blocks_for(MAX_MODEL_LEN) + 1  # one full-length sequence: 7 requests need ~3x that
+SMALL_POOL = num_blocks_for(MAX_MODEL_LEN, 16) + 1  # one full-length sequence: 7 requests need ~3x that
 EAGER = TorchairGraphConfig(enabled=False)
 
 
@@ -48,7 +48,7 @@ def test_small_pool_preempts_and_keeps_greedy_tokens(trained_dir, prompts, k, lo
 
 
 def test_block_manager_grows_on_demand_all_or_nothing():
-    manager = BlockManager(BlockAllocator(6), max_model_len=64)  # 5 usable blocks of 16 tokens
+    manager = BlockManager(BlockAllocator(6), max_model_len=64, block_size=16)  # 5 usable blocks of 16 tokens
     a, b = [], []
     assert manager.ensure_capacity(a, 17) and len(a) == 2
     assert manager.ensure_capacity(a, 32) and len(a) == 2  # already held

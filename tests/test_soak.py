@@ -21,7 +21,7 @@ import torch
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.fused_step import GREEDY, RANDOM
-from ascend_spec.graph.attention import num_blocks_for
+from ascend_spec.graph.latent_cache import num_blocks_for
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -30,7 +30,7 @@ MAX_NUM_SEQS = 8
 MAX_MODEL_LEN = 128
 REQUESTS_PER_ROUND = 48
 RSS_TOLERANCE = 0.05
-KV_BLOCKS = 3 * num_blocks_for(MAX_MODEL_LEN) + 1
+KV_BLOCKS = 3 * num_blocks_for(MAX_MODEL_LEN, 16) + 1
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.95)
 LOGPROBS = SamplingParams(logprobs=2)
 

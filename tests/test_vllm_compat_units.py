@@ -138,13 +138,28 @@ def test_probe_proposer_api_checks_parameters():
     assert "EagleProposer.propose" not in missing
 
 
-def test_draft_kv_cache_layout_probe():
-    assert shims.probe_draft_kv_cache(torch.zeros(8, 16, 576), "l", 576, 16) == []
-    assert shims.probe_draft_kv_cache(torch.zeros(8, 1, 16, 576), "l", 576, 16) == []
-    assert shims.probe_draft_kv_cache(None, "l", 576, 16)[0].problem.startswith("no KV cache")
-    assert "layout" in shims.probe_draft_kv_cache(torch.zeros(8, 32, 576), "l", 576, 16)[0].problem
+def test_draft_kv_cache_layouts():
+    """The draft cache as each engine binds it becomes our layout (views of the bound storage); anything else is
+    one Missing naming the layer and the layouts allowed."""
+    def parts(kv, block=16):
+        return shims.draft_kv_cache_parts(kv, "l", (512, 64), block)
+
+    fused = torch.zeros(8, 16, 576)
+    got, missing = parts(fused)
+    assert missing == [] and got.data_ptr() == fused.data_ptr() and got.shape == (8, 16, 576)
+    assert parts(torch.zeros(8, 1, 16, 576))[0].shape == (8, 16, 576)  # vLLM's 4-D binding
+    nope, rope = torch.zeros(8, 128, 1, 512), torch.zeros(8, 128, 1, 64)  # vllm-ascend's MLA pair, block 128
+    got, missing = parts((nope, rope), block=128)
+    assert missing == [] and [t.shape for t in got] == [(8, 128, 512), (8, 128, 64)]
+    assert got[0].data_ptr() == nope.data_ptr() and got[1].data_ptr() == rope.data_ptr()
+    assert parts(None)[1][0].problem.startswith("no KV cache")
+    assert "[num_blocks, 16, 576]" in parts(torch.zeros(8, 32, 576))[1][0].problem  # wrong block size
+    assert "neither" in parts((rope, nope), block=128)[1][0].problem  # swapped pair
     layer = types.SimpleNamespace(kv_cache=[torch.zeros(2, 16, 576)])  # older: one tensor per virtual engine
     assert shims.bound_kv_cache(layer).shape == (2, 16, 576)
+    pair = shims.bound_kv_cache(types.SimpleNamespace(kv_cache=[(nope, rope)]))  # vllm-ascend on older vLLM
+    assert isinstance(pair, tuple) and pair[0] is nope and pair[1] is rope
+    assert shims.bound_kv_cache(types.SimpleNamespace(kv_cache=(nope, rope)))[1] is rope
     assert shims.bound_kv_cache(types.SimpleNamespace(kv_cache=torch.tensor([]))) is None
 
 

@@ -27,6 +27,7 @@ import torch
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
 from ascend_spec.fused_step import time_call
+from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import BUNDLED_MODEL_DIR
@@ -51,7 +52,7 @@ def step_inputs(eng: Engine, batch: int, context: int, width: int) -> tuple[list
     g = torch.Generator().manual_seed(0)
     for cache in (*eng.caches.target, eng.caches.draft):
         cache.normal_(generator=g)
-    per_seq = live_blocks(context + 2 * k, eng.caches.max_blocks_per_seq, minimum=1)
+    per_seq = live_blocks(context + 2 * k, eng.caches.max_blocks_per_seq, eng.caches.block_size, minimum=1)
     table = torch.zeros(batch, width, dtype=torch.long)
     for i in range(batch):
         row = torch.arange(1 + i * per_seq, 1 + (i + 1) * per_seq)[:width]
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.lens:
             model_dir = checkpoint_with_positions(BUNDLED_MODEL_DIR, n, Path(tmp) / f"ctx{n}")
             cfg = EngineConfig(max_model_len=n, max_num_seqs=args.batch, fused_step=False,
-                               kv_blocks=live_blocks(n, 1 << 30) + args.batch * 8 + 2,
+                               kv_blocks=live_blocks(n, 1 << 30, DEFAULT_BLOCK_SIZE) + args.batch * 8 + 2,
                                speculative=SpeculativeConfig(num_speculative_tokens=args.k),
                                graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(args.batch,)))
             eng = Engine(load_model(model_dir), cfg)
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for n, eng in engines.items():
                 full = eng.caches.max_blocks_per_seq
-                for name, width in (("live", live_blocks(args.context + 2 * args.k, full)), ("full-width", full)):
+                for name, width in (("live", live_blocks(args.context + 2 * args.k, full, eng.caches.block_size)), ("full-width", full)):
                     target, draft = step_inputs(eng, args.batch, args.context, width)
                     runner = eng.runner
                     t = median_ms(lambda: runner.target_graph(target, (eng.caches.target,)), args.repeats)

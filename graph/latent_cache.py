@@ -1,0 +1,106 @@
+"""The paged latent KV cache as the graphs address it: its layout and block size are data, read off the tensors.
+
+One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]``. Serving engines keep it two ways:
+
+- ``fused``: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor (vLLM's MLA backends);
+- ``pair``: ``(nope [num_blocks, block_size, kv_lora_rank], rope [num_blocks, block_size, qk_rope_head_dim])``,
+  contiguous each (vllm-ascend's MLA, which binds them as ``[num_blocks, block_size, 1, width]``; the binding
+  squeezes the head axis).
+
+The block size is the cache's dim 1 (16 here by default, 64 for FlashMLA, 128 for vllm-ascend's MLA): every slot
+formula takes it from the cache it addresses, never from a constant. Attention kernels receive the pair form
+(:func:`latent_parts`: views, no copy, whichever layout is stored).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+#: a latent KV cache: fused, or a (nope, rope) pair
+LatentCache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+LAYOUTS = ("fused", "pair")
+#: the engine's default block size (vLLM's CPU_MLA takes 16 only)
+DEFAULT_BLOCK_SIZE = 16
+
+
+def layout_of(cache: LatentCache) -> str:
+    return "fused" if isinstance(cache, torch.Tensor) else "pair"
+
+
+def block_size_of(cache: LatentCache) -> int:
+    return int((cache if isinstance(cache, torch.Tensor) else cache[0]).shape[1])
+
+
+def num_blocks_of(cache: LatentCache) -> int:
+    return int((cache if isinstance(cache, torch.Tensor) else cache[0]).shape[0])
+
+
+def latent_parts(cache: LatentCache, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_c [N, block, C], kv_pe [N, block, R])``: the pair itself, or two views of a fused cache."""
+    if isinstance(cache, torch.Tensor):
+        return cache[..., :kv_lora_rank], cache[..., kv_lora_rank:]
+    return cache
+
+
+def cache_tensors(cache: LatentCache) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold the cache (what a CUDA graph must see at a static address)."""
+    return (cache,) if isinstance(cache, torch.Tensor) else tuple(cache)
+
+
+def allocate_latent_cache(layout: str, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+                          dtype: torch.dtype, device: torch.device | str) -> LatentCache:
+    if layout == "fused":
+        return torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+    if layout == "pair":
+        return (torch.zeros(num_blocks, block_size, kv_lora_rank, dtype=dtype, device=device),
+                torch.zeros(num_blocks, block_size, rope_dim, dtype=dtype, device=device))
+    raise ValueError(f"kv_layout={layout!r}; allowed: {list(LAYOUTS)}")
+
+
+def like(cache: LatentCache, num_blocks: int | None = None) -> LatentCache:
+    """An empty cache of ``cache``'s layout, block size and dtype (``num_blocks`` rows, default the same)."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return t.new_empty(num_blocks if num_blocks is not None else t.shape[0], *t.shape[1:])
+
+    return one(cache) if isinstance(cache, torch.Tensor) else (one(cache[0]), one(cache[1]))
+
+
+def same_shape(a: LatentCache, b: LatentCache) -> bool:
+    return [t.shape for t in cache_tensors(a)] == [t.shape for t in cache_tensors(b)]
+
+
+def describe(cache: LatentCache) -> str:
+    return " + ".join(str(list(t.shape)) for t in cache_tensors(cache))
+
+
+def slots_for(positions: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each position: ``block_table[b, pos // block_size] * block_size + pos % block_size``."""
+    blocks = torch.gather(block_table.long(), 1, torch.div(positions, block_size, rounding_mode="floor"))
+    return blocks * block_size + positions % block_size
+
+
+def num_blocks_for(tokens: int, block_size: int) -> int:
+    return (tokens + block_size - 1) // block_size
+
+
+def _write(cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, valid: torch.Tensor,
+           values: torch.Tensor) -> None:
+    # Rows that write nothing carry slot 0's current value into slot 0 (the reserved null block): static shapes,
+    # slot 0 unchanged. ``index_put_`` on the 3-D cache (not ``index_copy_`` on a flattened view, which inductor
+    # turns into a copy of the whole cache per write) keeps the compiled write in place.
+    cache.index_put_((block, offset), torch.where(valid, values.to(cache.dtype), cache[0, 0].expand_as(values)))
+
+
+def write_latent_cache(cache: LatentCache, slot_mapping: torch.Tensor, c_kv: torch.Tensor,
+                       k_pe: torch.Tensor) -> None:
+    """Write ``c_kv [N, C]`` and ``k_pe [N, R]`` at ``slot_mapping [N]`` (slot -1 writes nothing)."""
+    block_size = block_size_of(cache)
+    valid = (slot_mapping >= 0).unsqueeze(-1)
+    slot = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
+    block, offset = torch.div(slot, block_size, rounding_mode="floor"), slot % block_size
+    if isinstance(cache, torch.Tensor):
+        _write(cache, block, offset, valid, torch.cat([c_kv, k_pe], dim=-1))
+    else:
+        _write(cache[0], block, offset, valid, c_kv)
+        _write(cache[1], block, offset, valid, k_pe)
