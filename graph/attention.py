@@ -91,7 +91,9 @@ class MLAttention(nn.Module):
 
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
-        o_lat = self.kernel(q_lat, q_pe, cache, inp, cfg.softmax_scale)
+        # the kernels take the cache as the pair (c_kv, k_pe)
+        o_lat = self.kernel(q_lat, q_pe, cache.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1), inp,
+                            cfg.softmax_scale)
         out = torch.einsum("bqhc,hvc->bqhv", o_lat, w_uv)
         return self.o_proj(out.reshape(b, q_len, -1))
 
