@@ -141,7 +141,7 @@ NPU_INPUT_LAYOUT = "TND_NTD"
 NPU_CAUSAL_MASK_SIZE = 2048
 
 
-def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], inp: PagedInputs,
+def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: LatentCache, inp: PagedInputs,
             scale: float) -> torch.Tensor:
     """All ``Q`` verify tokens of a request in one pass over its context: TND rows grouped per request by
     cumulative query lengths, KV length per request from ``inp.seq_lens_host``, causal inside the verify block
@@ -154,8 +154,8 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, 
     b, q_len, h, c = q_lat.shape
     kv_c, kv_pe = cache
     num_blocks, block = kv_c.shape[0], kv_c.shape[1]
-    # With rope inputs the op takes 32, 64 or 128 query heads (torch_npu's docs); vllm-ascend pads to a power
-    # of two the same way. Padded heads get a discarded result.
+    # With rope inputs the op takes 32, 64 or 128 query heads (torch_npu's docs); vllm-ascend pads to the next
+    # power of two. Padded heads get a discarded result.
     h_op = max(32, 1 << (h - 1).bit_length())
     query = q_lat.reshape(b * q_len, h, c)
     query_rope = q_pe.reshape(b * q_len, h, -1)
