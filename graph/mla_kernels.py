@@ -12,25 +12,43 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   that width, so callers that compile it with a dynamic width pass a table trimmed to the live blocks
   (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
   live request reads, not ``max_model_len``.
-- :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row visits only
-  its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; compiled, no backend
+- :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row
+  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; compiled, no backend
   can use it yet: on CPU (torch 2.13) its output is wrong, and on CUDA (torch 2.11, H100) the Triton template
   cannot take MLA's 576-wide keys (shared memory overflows at the default tiles; a 1-3 token query block is not
   a multiple of its 16-row tile; with both forced, the output is wrong). Kept, with its eager test, for when a
   torch release compiles it.
-- :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` with ``block_table`` and the actual KV
-  lengths, as vllm-ascend's torchair MLA decode called it (BSND, latent as ``key``/``value``, rope parts as
-  ``query_rope``/``key_rope``); checked against the torch_npu 2.14 wheel's schema and composed under a stand-in
-  ``torch_npu`` off-NPU.
-Pad rows (``seq_lens == 0``) get a finite, discarded result. Every kernel takes the cache as the pair
-``(kv_c [num_blocks, block_size, C], kv_pe [num_blocks, block_size, R])`` (views of a fused cache, or vllm-ascend's
-nope/rope tensors; :func:`.latent_cache.latent_parts`), of any block size.
+- :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` as vllm-ascend's speculative MLA decode calls
+  it (``vllm_ascend/attention/mla_v1.py`` ``_forward_decode``; ``torchair/torchair_mla.py`` up to v0.11.0):
+  contiguous latent / rope caches as ``key``/``value`` and ``key_rope`` (``[blocks, 1, block, C | R]``), query
+  rows in TND grouped per request by cumulative query lengths, output NTD (``TND_NTD``), ``sparse_mode=3``
+  (rightDownCausal, with the op's fixed 2048 × 2048 mask) so that each request's ``1 + K`` tokens read its
+  context once, causal inside the verify block; ``block_table`` once per request. The causal diagonal is
+  aligned to each request's last key, so a live row's ``Q`` positions must be its last ``Q``
+  (``seq_lens - Q .. seq_lens - 1``), as in every verify and draft forward.
+
+  KV lengths come from the host: ``PagedInputs.seq_lens_host``, ints the runner already has (its scheduler
+  counts), handed to the op as ``actual_seq_lengths_kv`` (``SymInt[]`` in the wheel's schema). Why the host:
+  the op needs the values to tile, and a list built from ``seq_lens`` inside a graph is a device → host read
+  per layer per step. Under torchair the ints must reach the graph as symbols, not constants: torchair's
+  converter turns a SymInt graph input into a host ``Data`` input of the GE graph (``fx2ge_converter.py``
+  ``parse_input``: ``placement='CPU'``) and, in npugraph_ex mode, re-feeds ``actual_seq_lengths(_kv)`` of each
+  captured FIA call on replay (``_acl_concrete_graph/acl_graph.py``); a plain ``int`` becomes a ``Const`` (a
+  graph per value). ``torch.compile(dynamic=False)`` specialises ints, so the compiling side marks these
+  sources dynamic (vllm-ascend v0.11.0 compiled with ``dynamic=True`` and ``mark_static`` on every tensor;
+  ``torch.compiler.config.dynamic_sources`` does it for the named sources only). Pad rows pass 0, as
+  vllm-ascend pads ``seq_lens_list``. Not covered: lengths that exist only on the device (the draft chain's
+  steps 2..K depend on acceptance); there the host must learn them first, as vllm-ascend's torchair MTP
+  proposer did between its per-step graphs, or torchair's tensor-length variant
+  (``torchair.ops.npu_fused_infer_attention_score``, GE mode only) takes them.
+Pad rows (``seq_lens == 0``) get a finite, discarded result.
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 
@@ -41,20 +59,28 @@ class PagedInputs(NamedTuple):
     slot_mapping: torch.Tensor  # [B, Q] int64; -1 = write nothing (pad rows / pad tokens)
     block_table: torch.Tensor  # [B, M] int32/int64; block ids of each request, in position order
     seq_lens: torch.Tensor  # [B] int64; tokens in the cache after this forward (0 for pad rows)
+    #: ``seq_lens`` as host ints, built by the runner from its own counts (never read back from the device);
+    #: only :func:`npu_mla` uses it, the reference kernels ignore it
+    seq_lens_host: tuple[int, ...] | None = None
+
+
+#: The latent cache of one layer: ``kv_c [num_blocks, block_size, C]`` and ``kv_pe [num_blocks, block_size, R]``.
+#: the cache as every kernel takes it: (kv_c [N, block, C], kv_pe [N, block, R]) (graph.latent_cache.latent_parts)
+CacheParts = tuple[torch.Tensor, torch.Tensor]
 
 
 class MLAKernel(Protocol):
-    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                 inp: PagedInputs, scale: float) -> torch.Tensor:
-        """``q_lat [B, Q, H, C]``, ``q_pe [B, Q, H, R]``, ``cache (kv_c [N, block, C], kv_pe [N, block, R])`` →
-        ``o_lat [B, Q, H, C]``."""
+    def __call__(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: PagedInputs,
+                 scale: float) -> torch.Tensor:
+        """``q_lat [B, Q, H, C]``, ``q_pe [B, Q, H, R]``, ``cache = (kv_c, kv_pe)`` → ``o_lat [B, Q, H, C]``."""
         ...
 
 
-def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-               inp: PagedInputs, scale: float) -> torch.Tensor:
+def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: PagedInputs,
+               scale: float) -> torch.Tensor:
+    kv_c, kv_pe = cache
     table = inp.block_table.long()
-    ctx_c, ctx_pe = (part[table].flatten(1, 2) for part in cache)  # [B, M*block, C], [B, M*block, R]
+    ctx_c, ctx_pe = kv_c[table].flatten(1, 2), kv_pe[table].flatten(1, 2)  # [B, M*block, C], [B, M*block, R]
     scores = torch.einsum("bqhc,bkc->bqhk", q_lat, ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe, ctx_pe)
     scores = scores.float() * scale
     key_pos = torch.arange(ctx_c.shape[1], device=q_lat.device)
@@ -70,15 +96,15 @@ def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tenso
     return torch.einsum("bqhk,bkc->bqhc", (e / denom).to(ctx_c.dtype), ctx_c)
 
 
-def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-             inp: PagedInputs, scale: float) -> torch.Tensor:
+def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: PagedInputs,
+             scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     b, q_len, h, c = q_lat.shape
-    num_blocks, block, _ = cache[0].shape
-    # The whole pool as keys (kv block i is physical block i). FlexAttention takes one key tensor, so a cache pair
-    # is concatenated: this kernel is the eager oracle of a masked pool, not a fast path.
-    keys = torch.cat(cache, dim=-1).view(1, 1, num_blocks * block, -1)
+    kv_c, kv_pe = cache
+    num_blocks, block = kv_c.shape[0], kv_c.shape[1]
+    # the whole pool: kv block i is physical block i
+    keys = torch.cat([kv_c, kv_pe], dim=-1).view(1, 1, num_blocks * block, -1)
     table = inp.block_table.long()
     m = table.shape[1]
     # Each row visits its live blocks only (at least one, so pad rows stay finite); dead table entries point
@@ -99,37 +125,59 @@ def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor,
                                     BLOCK_SIZE=(q_len, block), mask_mod=mask_mod,
                                     seq_lengths=(q_len, num_blocks * block))
     query = torch.cat([q_lat, q_pe], dim=-1).transpose(1, 2)  # [B, H, Q, C + R]
-    out = flex_attention(query, keys, keys[..., :c], block_mask=mask, scale=scale, enable_gqa=True)
+    out = flex_attention(query, keys, kv_c.view(1, 1, num_blocks * block, c), block_mask=mask, scale=scale,
+                         enable_gqa=True)
     return out.transpose(1, 2)
 
 
 #: torch_npu's fused attention: every argument name we pass (the contract test checks them against the wheel).
 NPU_ATTENTION_OP = "npu_fused_infer_attention_score"
 NPU_ATTENTION_KWARGS = ("query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
-                        "block_table", "block_size", "actual_seq_lengths_kv", "atten_mask", "sparse_mode")
+                        "block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv", "atten_mask",
+                        "sparse_mode")
+#: query ``[T, N, D]`` (T = all requests' tokens), output ``[N, T, D]``: vllm-ascend's speculative MLA decode layout
+NPU_INPUT_LAYOUT = "TND_NTD"
+#: the op's rightDownCausal mode takes this fixed-size "optimised" mask (1 = masked), never a per-batch one
+NPU_CAUSAL_MASK_SIZE = 2048
 
 
-def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-            inp: PagedInputs, scale: float) -> torch.Tensor:
-    """One query token per row and call (BNSD, as vllm-ascend's torchair decode): ``Q`` verify tokens become
-    ``B·Q`` rows whose KV length ends at their own position, so causality needs no mask."""
+def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: PagedInputs,
+            scale: float) -> torch.Tensor:
+    """All ``Q`` verify tokens of a request in one pass over its context: TND rows grouped per request by
+    cumulative query lengths, KV length per request from ``inp.seq_lens_host``, causal inside the verify block
+    by the op's rightDownCausal mode (``sparse_mode=3``; a single query token needs no mask: ``sparse_mode=0``)."""
     import torch_npu  # needs CANN; imported on the NPU path only
 
     b, q_len, h, c = q_lat.shape
-    num_blocks, block, _ = cache[0].shape
-    kv_c, kv_pe = (part.view(num_blocks, 1, block, -1) for part in cache)
-    # row (b, q) attends to keys [0, positions[b, q]]; pad rows (seq_len 0) read one key of the null block
-    kv_len = torch.where(inp.seq_lens.view(-1, 1) > 0, inp.positions + 1, torch.ones_like(inp.positions))
-    kv_len = torch.minimum(kv_len, inp.seq_lens.view(-1, 1).clamp(min=1))
-    table = inp.block_table.to(torch.int32).repeat_interleave(q_len, dim=0)
-    # The op takes the KV lengths as SymInt[]: host ints in eager mode, graph data once torchair lowers it
-    # (FusedInferAttentionScore's actual_seq_lengths_kv is a tensor input of the GE op).
+    kv_c, kv_pe = cache
+    if not (kv_c.is_contiguous() and kv_pe.is_contiguous()):
+        raise ValueError("npu_mla takes contiguous nope / rope caches (vllm-ascend's layout); this cache is a fused "
+                         "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
+    # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
+    # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by
+    # strict graphs, never hidden.
+    kv_lens = list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist()
+    num_blocks, block = kv_c.shape[0], kv_c.shape[1]
+    # With rope inputs the op takes 32, 64 or 128 query heads (torch_npu's docs); vllm-ascend pads to the next
+    # power of two. Padded heads get a discarded result.
+    h_op = max(32, 1 << (h - 1).bit_length())
+    query = q_lat.reshape(b * q_len, h, c)
+    query_rope = q_pe.reshape(b * q_len, h, -1)
+    if h_op != h:
+        query = F.pad(query, (0, 0, 0, h_op - h))
+        query_rope = F.pad(query_rope, (0, 0, 0, h_op - h))
+    causal = q_len > 1
+    mask = (torch.ones(NPU_CAUSAL_MASK_SIZE, NPU_CAUSAL_MASK_SIZE, dtype=torch.int8, device=q_lat.device).triu(1)
+            if causal else None)
+    key = kv_c.view(num_blocks, 1, block, c)  # (blocknum, KV_N, blocksize, D): KV_N = 1, the same memory
     out, _ = torch_npu.npu_fused_infer_attention_score(
-        q_lat.reshape(b * q_len, h, 1, c), kv_c, kv_c,
-        query_rope=q_pe.reshape(b * q_len, h, 1, -1), key_rope=kv_pe, num_heads=h, num_key_value_heads=1,
-        input_layout="BNSD", scale=scale, block_table=table, block_size=block,
-        actual_seq_lengths_kv=kv_len.reshape(-1).tolist(), atten_mask=None, sparse_mode=0)
-    return out.view(b, q_len, h, c)
+        query.contiguous(), key, key,
+        query_rope=query_rope.contiguous(), key_rope=kv_pe.view(num_blocks, 1, block, kv_pe.shape[-1]),
+        num_heads=h_op, num_key_value_heads=1, input_layout=NPU_INPUT_LAYOUT, scale=scale,
+        block_table=inp.block_table.to(torch.int32), block_size=block,
+        actual_seq_lengths=[q_len * (i + 1) for i in range(b)], actual_seq_lengths_kv=kv_lens,
+        atten_mask=mask, sparse_mode=3 if causal else 0)
+    return out[:h].view(h, b, q_len, c).permute(1, 2, 0, 3)  # NTD -> [B, Q, H, C]
 
 
 KERNELS: dict[str, MLAKernel] = {"gather": gather_mla, "flex": flex_mla, "npu": npu_mla}

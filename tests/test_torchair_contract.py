@@ -226,6 +226,12 @@ NPU_OP_DECLARATIONS = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 #: Where ``torch_npu.<op>`` gets bound: ``torch_npu.<op> = torch.ops.npu.<op>`` lines, or the ``exposed`` list.
 NPU_OP_BINDINGS = ("torch_npu/utils/custom_ops.py", "torch_npu/utils/exposed_api.py")
 GE_CONVERTERS = TORCHAIR_PREFIX + "_ge_concrete_graph/ge_converter/"
+#: torch_npu's meta (shape) functions of its ops: pure Python over torch, run here on meta tensors.
+NPU_META_REGISTRATIONS = "torch_npu/op_plugin/meta/_meta_registrations.py"
+#: torchair's npugraph_ex capture: which arguments of each captured op it re-feeds on every replay.
+ACL_GRAPH = TORCHAIR_PREFIX + "_acl_concrete_graph/acl_graph.py"
+#: torchair's FX → GE translation: how each graph input (tensor or SymInt) becomes a GE ``Data`` node.
+FX2GE = TORCHAIR_PREFIX + "_ge_concrete_graph/fx2ge_converter.py"
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +244,9 @@ def npu_wheel_ops() -> types.SimpleNamespace:
         bindings = "\n".join(zf.read(n).decode() for n in NPU_OP_BINDINGS)
         converters = "\n".join(zf.read(n).decode() for n in zf.namelist()
                                if n.startswith(GE_CONVERTERS) and n.endswith(".py"))
+        meta = zf.read(NPU_META_REGISTRATIONS).decode()
+        acl_graph = zf.read(ACL_GRAPH).decode()
+        fx2ge = zf.read(FX2GE).decode()
     schemas = {}
     for section in decl.values():
         for entry in section if isinstance(section, list) else ():
@@ -245,7 +254,8 @@ def npu_wheel_ops() -> types.SimpleNamespace:
                 name, _, overload = entry["func"].split("(", 1)[0].partition(".")
                 if not overload:  # a Tensor group_list (npu_grouped_matmul) resolves to the default overload
                     schemas[name] = entry["func"]
-    return types.SimpleNamespace(schemas=schemas, bindings=bindings, converters=converters)
+    return types.SimpleNamespace(schemas=schemas, bindings=bindings, converters=converters, meta=meta,
+                                 acl_graph=acl_graph, fx2ge=fx2ge)
 
 
 def _call_errors(schema_str: str, call) -> list[str]:
@@ -281,12 +291,121 @@ def test_npu_moe_calls_match_wheel_schemas(npu_wheel_ops, op):
 
 @pytest.mark.network
 def test_npu_attention_call_matches_wheel_schema(npu_wheel_ops):
-    """graph/mla_kernels.npu_mla: query/key/value by position, then exactly ``NPU_ATTENTION_KWARGS``."""
+    """graph/mla_kernels.npu_mla: query/key/value by position, then exactly ``NPU_ATTENTION_KWARGS``; the KV and
+    query lengths are ``SymInt[]`` (host ints, graph inputs once symbolic), not tensors."""
     from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, NPU_ATTENTION_OP
 
+    schema = npu_wheel_ops.schemas[NPU_ATTENTION_OP]
     call = moe_npu.NpuCall(("query", "key", "value"), NPU_ATTENTION_KWARGS)
-    assert _call_errors(npu_wheel_ops.schemas[NPU_ATTENTION_OP], call) == [], npu_wheel_ops.schemas[NPU_ATTENTION_OP]
+    assert _call_errors(schema, call) == [], schema
+    for name in ("actual_seq_lengths", "actual_seq_lengths_kv"):  # the parser prints SymInt as int: read the text
+        assert f"SymInt[]? {name}=" in schema, name
     assert f"register_fx_node_ge_converter(torch.ops.npu.{NPU_ATTENTION_OP}.default)" in npu_wheel_ops.converters
+
+
+def _ge_converter(converters: str, op: str):
+    """The GE converter function registered for ``torch.ops.npu.<op>.default`` (its AST)."""
+    import ast
+
+    marker = f"torch.ops.npu.{op}.default"
+    return next(node for node in ast.walk(ast.parse(converters)) if isinstance(node, ast.FunctionDef)
+                and any(marker in ast.unparse(d) for d in node.decorator_list))
+
+
+@pytest.mark.network
+def test_npu_attention_lengths_reach_torchair_graphs_as_host_inputs(npu_wheel_ops):
+    """What ``npu_mla``'s host lengths rely on in torchair: its GE converter takes every keyword we pass and
+    lengths as ``List[int]`` (SymInts there become host ``Data`` inputs of the GE graph), and npugraph_ex
+    re-feeds both length lists of a captured call on every replay."""
+    import ast
+
+    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, NPU_ATTENTION_OP
+
+    conv = _ge_converter(npu_wheel_ops.converters, NPU_ATTENTION_OP)
+    params = {a.arg: a for a in conv.args.kwonlyargs}
+    assert set(NPU_ATTENTION_KWARGS) <= set(params), set(NPU_ATTENTION_KWARGS) - set(params)
+    for name in ("actual_seq_lengths", "actual_seq_lengths_kv"):
+        assert "List[int]" in ast.unparse(params[name].annotation), ast.unparse(params[name].annotation)
+    parse_input = next(n for n in ast.walk(ast.parse(npu_wheel_ops.fx2ge))
+                       if isinstance(n, ast.FunctionDef) and n.name == "parse_input")
+    sym_branch = next(n for n in ast.walk(parse_input) if isinstance(n, ast.If) and "is_sym(" in ast.unparse(n.test))
+    assert "placement='CPU'" in ast.unparse(sym_branch.body[:3]), "a SymInt input is no longer a host Data input"
+    replay = npu_wheel_ops.acl_graph[npu_wheel_ops.acl_graph.index(f"torch.ops.npu.{NPU_ATTENTION_OP}.default:"):]
+    updated = replay[replay.index("updated_param_keys="):replay.index("]", replay.index("updated_param_keys="))]
+    assert '"actual_seq_lengths"' in updated and '"actual_seq_lengths_kv"' in updated, updated
+
+
+def _wheel_meta_function(meta_source: str, name: str):
+    """``name`` from torch_npu's meta registrations with the helpers it calls, defined without torch_npu."""
+    import ast
+    import typing
+
+    import torch
+
+    tree = ast.parse(meta_source)
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    wanted, todo = set(), [name]
+    while todo:  # the function and, transitively, the module-level helpers it calls
+        fn = funcs[todo.pop()]
+        wanted.add(fn.name)
+        todo += [c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                 and c.func.id in funcs and c.func.id not in wanted]
+    body = []
+    for fn_name in sorted(wanted):
+        fn = funcs[fn_name]
+        fn.decorator_list = []
+        body.append(fn)
+    namespace = {"torch": torch, "Dict": typing.Dict, "List": typing.List, "Optional": typing.Optional,
+                 "ops_error": lambda *a: "", "ErrCode": types.SimpleNamespace(VALUE=0, PARAM=0, TYPE=0)}
+    exec(compile(ast.Module(body=body, type_ignores=[]), NPU_META_REGISTRATIONS, "exec"), namespace)
+    return namespace[name]
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("q_len, heads, block", [(3, 4, 128), (1, 32, 16), (4, 20, 128)])
+def test_npu_mla_output_layout_matches_wheel_meta(npu_wheel_ops, monkeypatch, q_len, heads, block):
+    """``npu_mla`` composed with the wheel's own shape function of the op (on meta tensors): the layout string,
+    the query/key shapes we pass and our reading of its output (``[N, T, C]`` for ``TND_NTD``) agree."""
+    import torch
+
+    from ascend_spec.graph import mla_kernels
+    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_OP, NPU_INPUT_LAYOUT, PagedInputs
+
+    meta_fn = _wheel_meta_function(npu_wheel_ops.meta, f"{NPU_ATTENTION_OP}_forward")
+    seen = {}
+
+    def op(query, key, value, **kwargs):
+        seen.update(kwargs, query=query, key=key)
+        return meta_fn(query, key, value, **kwargs)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = op
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    b, c, r, num_blocks = 3, 512, 64, 10
+    m = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+    inp = PagedInputs(m(b, q_len, dtype=torch.long), m(b, q_len, dtype=torch.long), m(b, 4, dtype=torch.long),
+                      m(b, dtype=torch.long), (40, 0, 200))
+    out = mla_kernels.npu_mla(m(b, q_len, heads, c), m(b, q_len, heads, r), (m(num_blocks, block, c),
+                              m(num_blocks, block, r)), inp, 0.1)
+    assert out.shape == (b, q_len, heads, c) and out.dtype == torch.bfloat16
+    assert seen["input_layout"] == NPU_INPUT_LAYOUT and seen["query"].shape == (b * q_len, seen["num_heads"], c)
+    assert seen["key"].shape == (num_blocks, 1, block, c) and seen["key_rope"].shape == (num_blocks, 1, block, r)
+    assert seen["sparse_mode"] == (3 if q_len > 1 else 0)
+
+
+@pytest.mark.network
+def test_npu_mla_layout_check_can_fail(npu_wheel_ops):
+    """The wheel's shape function refuses a layout it does not know and a query of the wrong rank."""
+    import torch
+
+    meta_fn = _wheel_meta_function(npu_wheel_ops.meta, "npu_fused_infer_attention_score_forward")
+    q = torch.empty(6, 32, 512, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(10, 1, 128, 512, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(RuntimeError):
+        meta_fn(q, k, k, num_heads=32, input_layout="TND_XYZ", block_table=torch.empty(2, 4, device="meta"))
+    with pytest.raises(RuntimeError):
+        meta_fn(q.unsqueeze(0), k, k, num_heads=32, input_layout="TND_NTD", block_table=torch.empty(2, 4,
+                                                                                                   device="meta"))
 
 
 @pytest.mark.network
@@ -295,6 +414,8 @@ def test_npu_attention_call_matches_wheel_schema(npu_wheel_ops):
     ("npu_moe_init_routing", moe_npu.NpuCall(("x",), ("row_idx", "expert_idx"))),  # active_num is required
     ("npu_moe_gating_top_k", moe_npu.NpuCall(("x", "bias"), ("k",))),  # bias is keyword-only
     ("npu_grouped_matmul", moe_npu.NpuCall((), ("x", "weight", "group_size"))),  # no such argument
+    # the v2 op's names for the lengths are not the v1 op's
+    ("npu_fused_infer_attention_score", moe_npu.NpuCall(("query", "key", "value"), ("actual_seq_kvlen",))),
 ])
 def test_npu_call_check_can_fail(npu_wheel_ops, op, call):
     assert _call_errors(npu_wheel_ops.schemas[op], call)
