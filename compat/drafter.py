@@ -251,7 +251,7 @@ class AscendSpecMtpMixin:
         if not same_shape(cache, self._ascend.draft_cache):
             logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
                            describe(cache), describe(self._ascend.draft_cache))
-        if self.device.type == "cuda":
+        if torch.device(self.device).type == "cuda":
             # vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy
             # of their own (unmarked, the engine's own pool lost its writes under CUDA graphs).
             for t in cache_tensors(cache):

@@ -10,37 +10,12 @@ import pytest
 import torch
 
 from ascend_spec.config import SpeculativeConfig
-from ascend_spec.graph.backends.base import ShapePolicy
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph
 from ascend_spec.graph.weights import load_model
 from ascend_spec.proposer import MtpProposer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import prefill_inputs
-
-
-class OneShapePerKey:
-    """torchair's :class:`ShapePolicy`; each compiled key accepts only the shapes it first ran with."""
-
-    name = "one-shape-per-key"
-    reuses_outputs = False
-    attention_kernel = "gather"
-    compile_regions = False
-    shapes = ShapePolicy(dynamic_batch=False, exact_batch=False, trim_context=False)
-
-    def __init__(self) -> None:
-        self.recorded: dict[str, tuple] = {}
-        self.replays: dict[str, int] = {}
-
-    def compile(self, fn, tag: str, dims=None):
-        def graph(*args):
-            shapes = tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
-            if self.recorded.setdefault(tag, shapes) != shapes:
-                raise AssertionError(f"{tag}: recorded with {self.recorded[tag]}, replayed with {shapes}")
-            self.replays[tag] = self.replays.get(tag, 0) + 1
-            return fn(*args)
-
-        return graph
+from .conftest import OneShapePerKey, prefill_inputs
 
 
 def test_query_pads_to_the_next_width_one_key_each():

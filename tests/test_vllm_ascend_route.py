@@ -9,6 +9,7 @@ refused. vllm-ascend's own files run where they can (factory, AscendEaglePropose
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import sys
 import types
@@ -22,7 +23,7 @@ from ascend_spec.compat import ascend, ascend_hook
 from ascend_spec.config import ConfigError
 
 from . import vllm_ascend_standin as standin
-from .conftest import npu_available
+from .conftest import OneShapePerKey, npu_available
 
 TAGS = standin.TAGS
 #: NPUModelRunner methods holding the guards our drafter must pass (the MTP path reaches all three)
@@ -259,6 +260,10 @@ class RecordingDraft:
         self.backend = types.SimpleNamespace(shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
                                                                 trim_context=False))
 
+    @property
+    def table_width(self) -> int:  # max_model_len 64 in blocks of the cache's size
+        return -(-64 // self.draft_cache.shape[1])
+
     def graph_serves(self, batch: int, query: int) -> bool:  # prompt chunks up to 32 tokens replay a graph
         return query <= 32 and self.graph.bucket_for(batch) is not None
 
@@ -368,6 +373,68 @@ def test_initialize_attn_backend_passes_the_runners_block_size_on(release, monke
     d.initialize_attn_backend("kv-config", 128)  # NPUModelRunner.initialize_kv_cache's call
     assert seen == [("kv-config", 128)]
     assert not hasattr(d, "block_size") and draft_block_size(d) == 128
+
+
+@pytest.mark.parametrize("per_virtual_engine", [True, False])
+def test_our_proposer_drafts_on_vllm_ascends_nope_rope_cache(release, trained_dir, monkeypatch, per_virtual_engine):
+    """vllm-ascend's MLA binds the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` (as a
+    tuple, or inside the per-virtual-engine list of older vLLM). The adapter binds that pair (views, no copy) and
+    our proposer drafts on it through torchair's shape policy (one graph per bucket, each held to the shapes it
+    was warmed up with: the run's block-table width in blocks of 128), with the reference attention kernel: the
+    drafts and every cache write equal the eager proposer's on the same inputs."""
+    from ascend_spec import torchair_proposer
+    from ascend_spec.compat import drafter
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.graph.latent_cache import allocate_latent_cache
+    from ascend_spec.graph.weights import load_model
+    from ascend_spec.proposer import MtpProposer
+
+    backend = OneShapePerKey()
+    monkeypatch.setattr(drafter, "get_backend", lambda *a, **kw: backend)
+    model = load_model(trained_dir)
+    cfg = model.cfg
+    k, block, num_blocks, layer = 2, 128, 8, f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    d = built_adapter(k)
+    d._ascend_model, d._ascend_layer = model, layer
+    d._ascend_block_size = block  # what NPUModelRunner passes to initialize_attn_backend (its MLA kernel block)
+    d._build_ascend(allocate_latent_cache("pair", num_blocks, block, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                          torch.float32, "cpu"))
+    assert isinstance(d._ascend, torchair_proposer.MtpTorchairProposer)
+    warmed = dict(backend.recorded)
+    # every key warmed on the pair, with the table width a live step passes: max_model_len 64 in blocks of 128
+    assert warmed and all(shapes[5][1] == 1 and shapes[7:] == ((num_blocks, block, cfg.kv_lora_rank),
+                                                                (num_blocks, block, cfg.qk_rope_head_dim))
+                          for shapes in warmed.values()), warmed
+    seen = []
+    propose = d._ascend.propose
+    d._ascend.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
+    g = torch.Generator().manual_seed(0)
+    nope = torch.randn(num_blocks, block, 1, cfg.kv_lora_rank, generator=g) * 0.1
+    rope = torch.randn(num_blocks, block, 1, cfg.qk_rope_head_dim, generator=g) * 0.1
+    bound = (nope, rope)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context={
+        layer: types.SimpleNamespace(kv_cache=[bound] if per_virtual_engine else bound)})
+    # two requests verifying 1 + K tokens at positions 10..12 and 20..22 of blocks 3 and 5
+    step = recorded_inputs([0, 3, 6], [13, 23], [1, 5], k)
+    pos = torch.tensor([10, 11, 12, 20, 21, 22])
+    cam = step["common_attn_metadata"]
+    step["common_attn_metadata"] = dataclasses.replace(
+        cam, block_table_tensor=torch.tensor([[3], [5]], dtype=torch.int32),
+        slot_mapping=torch.tensor([3, 3, 3, 5, 5, 5]) * block + pos)
+    step.update(target_positions=pos, target_token_ids=torch.randint(1, cfg.vocab_size, (6,), generator=g),
+                target_hidden_states=torch.randn(6, cfg.hidden_size, generator=g),
+                next_token_ids=torch.tensor([5, 9]))
+    reference_cache = (nope.squeeze(2).clone(), rope.squeeze(2).clone())
+    drafts = d._propose(**step)
+    assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.fallback_calls == 0
+    assert d._ascend.draft_cache[0].data_ptr() == nope.data_ptr()  # vllm-ascend's own tensors, written in place
+    assert backend.recorded == warmed  # no graph key met a shape warm-up had not made
+    (inputs,) = seen
+    eager = MtpProposer(model, SpeculativeConfig(num_speculative_tokens=k), 64, reference_cache)
+    assert torch.equal(drafts, eager.propose(inputs))
+    for ours, theirs in zip((nope.squeeze(2), rope.squeeze(2)), reference_cache):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(nope.squeeze(2)[3, 10:14], torch.zeros(4, cfg.kv_lora_rank))
 
 
 class Request:

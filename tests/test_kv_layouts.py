@@ -1,0 +1,90 @@
+"""Block size and KV layout are data: the serving engines' shapes (FlashMLA's block 64, vllm-ascend's block 128 with
+nope and rope caches apart) give the tokens and acceptance counts of the default (block 16, one 576-wide cache)."""
+import dataclasses
+
+import pytest
+import torch
+
+from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import dynamo_compile_count, load_engine
+from ascend_spec.graph.latent_cache import block_size_of, cache_tensors, layout_of
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.tokenizer import TextTokenizer
+
+from .conftest import generate_without_recompiles
+
+TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
+         "for i in range(10):\n", "    return"]
+MAX_TOKENS = [30, 50, 20, 60, 40]
+
+
+@pytest.fixture(scope="module")
+def prompts(trained_dir):
+    tok = TextTokenizer(trained_dir)
+    return [tok.encode(t) for t in TEXTS]
+
+
+def _config(block_size: int, layout: str, fused: bool = True, compiled: bool = False,
+            max_model_len: int = 256) -> EngineConfig:
+    graph = (TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)) if compiled
+             else TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)))
+    return EngineConfig(max_model_len=max_model_len, max_num_seqs=4, block_size=block_size, kv_layout=layout,
+                        speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph, fused_step=fused,
+                        adaptive_k=False)
+
+
+@pytest.fixture(scope="module")
+def reference(trained_dir, prompts):
+    """Block 16, fused: the configuration every other test runs."""
+    out, stats, metrics = load_engine(trained_dir, _config(16, "fused")).generate(prompts, SamplingParams(),
+                                                                                   MAX_TOKENS)
+    return [o.token_ids for o in out], metrics.as_dict()
+
+
+@pytest.mark.parametrize("block_size, layout, fused", [(16, "pair", True), (64, "fused", True), (128, "pair", True),
+                                                       (32, "pair", False), (128, "fused", False)])
+def test_block_size_and_layout_keep_tokens_and_acceptance(trained_dir, prompts, reference, block_size, layout,
+                                                          fused):
+    """5 requests over 4 slots (the batch changes composition; blocks grow and are freed and reused), the fused
+    one-graph step and the step-by-step path (the proposer drafts on its own): same greedy tokens, same drafts
+    accepted, no host sync."""
+    eng = load_engine(trained_dir, _config(block_size, layout, fused), count_host_syncs=True)
+    assert layout_of(eng.caches.draft) == layout and block_size_of(eng.caches.draft) == block_size
+    out, stats, metrics = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert [o.token_ids for o in out] == reference[0]
+    assert metrics.as_dict() == reference[1]
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+
+
+def test_compiled_pair_cache_of_block_64_replays_warm_graphs(trained_dir, prompts, reference):
+    """Inductor at block 64 with the nope/rope pair: the reference tokens and counts, no compile after warm-up
+    (the table widths warm-up replayed are those the run passes), no host sync."""
+    eng = load_engine(trained_dir, _config(64, "pair", compiled=True), count_host_syncs=True)
+    eng.warmup(progress=False)
+    before = dynamo_compile_count()
+    stats, _ = generate_without_recompiles(eng, prompts, MAX_TOKENS)
+    assert dynamo_compile_count() == before
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    out, _, metrics = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert [o.token_ids for o in out] == reference[0]
+    assert metrics.as_dict() == reference[1]
+
+
+def test_cuda_marks_every_cache_tensor_static():
+    """A pair cache is two tensors: CUDA graphs must see both at a static address (checked on the allocation
+    path without a GPU: the tensors the engine would mark)."""
+    from ascend_spec.graph.latent_cache import allocate_latent_cache
+
+    pair = allocate_latent_cache("pair", 4, 128, 512, 64, torch.float32, "cpu")
+    assert [t.shape for t in cache_tensors(pair)] == [(4, 128, 512), (4, 128, 64)]
+    fused = allocate_latent_cache("fused", 4, 64, 512, 64, torch.float32, "cpu")
+    assert [t.shape for t in cache_tensors(fused)] == [(4, 64, 576)]
+
+
+@pytest.mark.parametrize("key, value, allowed", [("block_size", 24, "multiple of 16"),
+                                                 ("block_size", 0, "multiple of 16"),
+                                                 ("kv_layout", "split", "['fused', 'pair']")])
+def test_bad_block_size_or_layout_is_one_clear_error(key, value, allowed):
+    with pytest.raises(ConfigError, match=rf"{key}={value!r}; allowed: .*{allowed}".replace("[", r"\[")
+                       .replace("]", r"\]")):
+        dataclasses.replace(EngineConfig(), **{key: value})
