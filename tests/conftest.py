@@ -19,6 +19,19 @@ from ascend_spec.sampling import SamplingParams
 # harness) inherit it.
 os.environ.setdefault(GRAPH_FAILURE_ENV, "raise")
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--plant-defect", default=None, metavar="NAME",
+                     help="plant one defect (tests/planted_defects.py) to see the test guarding it fail")
+
+
+def pytest_configure(config) -> None:
+    name = config.getoption("--plant-defect")
+    if name:
+        from .planted_defects import plant
+
+        plant(name)
+
+
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                    kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
                    max_position_embeddings=256, eos_token_id=0)
