@@ -7,7 +7,7 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``host_read_in_step``: a ``.tolist()`` of a device tensor inside the fused step graph. Fails
   ``test_fused_step.py::test_fused_equals_step_by_step`` (eager: the host-sync counter sees it) and, on compiled
   backends, every test that compiles the fused step (the graph lint refuses the graph in strict mode).
-- ``shape_change``: from the fifth decode step on, the fused step's noise input is one column wider (a shape that
+- ``shape_change``: from the fifth decode step on, the fused step's token input is one column wider (a shape that
   changes between steps). Fails ``test_graph_mode.py::test_zero_recompiles_over_1000_steps`` (a recompile after
   warm-up) and the ``fail_on_recompile`` tests of ``test_fused_step.py``.
 - ``graph_raises``: every third call of a fused step graph or bucket graph raises after running. Fails any test
@@ -64,8 +64,8 @@ def shape_change() -> None:
         key, args = original(self, batch, width, noise)
         if batch.req_ids:  # a decode step (warm-up replays inert batches)
             steps["n"] += 1
-            if steps["n"] >= 5:  # the defect: the exponential noise grows a column
-                args = (*args[:10], torch.cat([args[10], args[10][:, :1]], dim=1), *args[11:])
+            if steps["n"] >= 5:  # the defect: the step's tokens grow a column (an unused input would not guard)
+                args = (torch.cat([args[0], args[0][:, -1:]], dim=1), *args[1:])
         return key, args
 
     ModelRunner._replay_args = _replay_args
