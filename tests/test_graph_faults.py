@@ -68,6 +68,11 @@ def test_graph_failure_policy_errors_name_the_key_and_values(monkeypatch):
     with pytest.raises(ValueError, match=r"ASCEND_SPEC_GRAPH_FAILURE='yes'; allowed: \['eager', 'raise'\]"):
         get_backend("eager", "cpu")
     assert GRAPH_FAILURE_POLICIES == config_policies
+    from ascend_spec.compat.settings import PluginSettings
+
+    with pytest.raises(ConfigError, match=r"ascend_spec.graph_failure='off'; allowed: \['eager', 'raise'\]"):
+        PluginSettings.from_additional_config({"ascend_spec": {"graph_failure": "off"}})
+    assert PluginSettings.from_additional_config({"ascend_spec": {"graph_failure": "eager"}}).graph_failure == "eager"
 
 
 @pytest.mark.parametrize("fused,faults", [(True, {"fused": {2, 5, 6, 9}}),
