@@ -7,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig, load_yaml_config
+from .config import (GRAPH_FAILURE_POLICIES, ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig,
+                     load_yaml_config)
 from .graph.config import DTYPES
 from .model_info import add_inspect_parser
 from .models import BUNDLED_MODEL_DIR
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fixed_k=False)
     g.add_argument("--step-by-step", action="store_true",
                    help="run target, sampling and drafting as separate calls instead of one fused graph per step")
+    g.add_argument("--graph-failure", choices=list(GRAPH_FAILURE_POLICIES), default=None,
+                   help="a compiled graph that fails or needs the host (a device sync inside it): 'eager' reruns the "
+                        "step eagerly and counts it (default, or $ASCEND_SPEC_GRAPH_FAILURE), 'raise' stops")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--output", type=Path, default=None,
                    help="write the result to this file (replaced only once generation succeeded) instead of stdout")
@@ -113,7 +117,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
                         graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
-                        adaptive_k=not args.fixed_k, **kwargs)
+                        adaptive_k=not args.fixed_k, graph_failure=args.graph_failure, **kwargs)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -179,6 +183,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "generated_tokens": stats.generated_tokens,
             "num_steps": stats.num_steps,
             "host_syncs_per_step": stats.host_syncs_per_step,
+            # device -> host reads of each decode step (the fused path's one: its tokens)
+            "host_transfers_per_step": stats.host_transfers_per_step,
+            # compiled graphs that failed (each step reran eagerly) and ops needing the host found in graphs
+            "graph_failures": stats.graph_failures,
+            "graph_host_ops": stats.graph_host_ops,
             "recompiles_after_warmup": stats.recompiles_after_warmup,
             "graphs_compiled": stats.graphs_compiled,
             "compile_seconds": round(stats.compile_seconds, 2),
@@ -203,6 +212,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if metrics:
         line += (f" | acceptance {metrics.acceptance_rate:.2f}, mean accepted length "
                  f"{metrics.mean_accepted_length:.2f}")
+    line += f" | graph failures {stats.graph_failures}, host ops in graphs {stats.graph_host_ops}"
     write_result("\n".join(parts + [line]), args.output)
     return 0
 

@@ -17,6 +17,8 @@ from .graph.latent_cache import DEFAULT_BLOCK_SIZE, LAYOUTS
 SPEC_METHODS = ("deepseek_mtp", "mtp")
 GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
 BACKENDS = ("auto", "eager", "inductor", "torchair")
+#: the same as ``graph.backends.base.GRAPH_FAILURE_POLICIES`` (this module imports no torch)
+GRAPH_FAILURE_POLICIES = ("eager", "raise")
 #: see ``TorchairGraphConfig.prefill_query_widths``
 DEFAULT_PREFILL_QUERY_WIDTHS = (32, 128, 512)
 
@@ -180,6 +182,9 @@ class EngineConfig:
     #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
     #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``)
     adaptive_k: bool = True
+    #: a compiled graph that fails, or needs the host (graph lint): ``eager`` reruns the step eagerly and counts it,
+    #: ``raise`` raises; None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (``ascend_spec.graph.backends.base``)
+    graph_failure: str | None = None
 
     def __post_init__(self) -> None:
         for key, low in (("max_model_len", 2), ("max_num_seqs", 1)):
@@ -189,12 +194,17 @@ class EngineConfig:
         if self.kv_blocks is not None and (isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
                                            or self.kv_blocks < 2):
             raise ConfigError(f"kv_blocks={self.kv_blocks!r}; allowed: an int >= 2 (block 0 is reserved)")
+<<<<<<< HEAD
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs % 16 or bs > MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size={bs!r}; allowed: a multiple of 16 up to {MAX_BLOCK_SIZE} "
                               "(16: vLLM CPU_MLA, 64: FlashMLA, 128: vllm-ascend MLA)")
         if self.kv_layout not in LAYOUTS:
             raise ConfigError(f"kv_layout={self.kv_layout!r}; allowed: {list(LAYOUTS)}")
+=======
+        if self.graph_failure is not None and self.graph_failure not in GRAPH_FAILURE_POLICIES:
+            raise ConfigError(f"graph_failure={self.graph_failure!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
+>>>>>>> strict
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:

@@ -179,6 +179,7 @@ class Engine:
             self._pending_report = None
         metrics = SpecMetrics(self.k) if self.k else None
         compiles_before = dynamo_compile_count()
+        failures_before = self.runner.graph_failures()
         start = time.perf_counter()
         while not sched.done:
             admitted = sched.admissions(stats.num_steps)
@@ -206,6 +207,8 @@ class Engine:
                 sched.finish(seq)
         stats.decode_seconds = time.perf_counter() - start
         stats.k_by_bucket = self.runner.end_run()
+        stats.graph_failures = self.runner.graph_failures() - failures_before
+        stats.graph_host_ops = len(self.backend.lint.findings)
         if self._warm_modes:
             stats.recompiles_after_warmup = dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
         outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]

@@ -178,7 +178,8 @@ class SpecStepGraphs:
         self.keep_hidden = keep_hidden
         self._fns: dict[tuple[int, str, bool], SpecStep] = {}
         self._graphs: dict[StepKey, SpecStep] = {}
-        #: run-time failures per key; each such step reran on the eager definition (same outputs, same cache writes)
+        #: failures per key (``graph_failure: eager``); each such step reran on the eager definition (same outputs,
+        #: same cache writes)
         self.failures: dict[StepKey, int] = {}
 
     def key(self, bucket: int, k: int, mode: str, logprobs: bool = False) -> StepKey:
@@ -203,13 +204,14 @@ class SpecStepGraphs:
         return graph
 
     def __call__(self, key: StepKey, *args: object) -> tuple[torch.Tensor, ...]:
-        """Replay ``key``'s graph; if it raises, this step reruns eagerly (the graph's inputs are not modified by it,
-        and the eager rerun rewrites the same cache slots with the same values)."""
+        """Replay ``key``'s graph; if it raises, the backend's ``graph_failure`` policy decides: raise it, or rerun
+        this step eagerly (the graph's inputs are not modified by it, and the eager rerun rewrites the same cache
+        slots with the same values)."""
         graph = self.get(key)
         try:
             return graph(*args)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault costs this step only
-            note_graph_failure(self.failures, key, f"fused step {key.tag}", exc)
+            note_graph_failure(self.failures, key, f"fused step {key.tag}", exc, self.backend.graph_failure)
             return self._fn(key)(*args)
 
 

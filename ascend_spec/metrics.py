@@ -61,8 +61,20 @@ class RunStats:
     request_steps: int = 0  # Σ over steps of the batch size
     generated_tokens: int = 0
     decode_seconds: float = 0.0
+    #: host syncs counted in the host code between and around a step's graphs (what runs inside a compiled graph
+    #: is the graph lint's: ``graph_host_ops``); count_host_syncs only
     host_syncs: int = 0
     host_sync_events: list[str] = field(default_factory=list)
+    #: device -> host reads after each decode step's graphs, its results for bookkeeping: one per fused step (its
+    #: tokens; logprobs add their three tensors), three per step-by-step step (tokens, valid counts, drafts);
+    #: count_host_syncs only
+    host_transfers: int = 0
+    host_transfer_events: list[str] = field(default_factory=list)
+    #: compiled graphs that failed during the run, each step rerun eagerly (``graph_failure: eager``)
+    graph_failures: int = 0
+    #: ops needing the host that the graph lint found in the graphs this engine compiled (``graph_failure: raise``
+    #: refuses such graphs)
+    graph_host_ops: int = 0
     #: graphs Dynamo compiled during the run after warm-up (0 when every path replays warm graphs)
     recompiles_after_warmup: int = 0
     preemptions: int = 0
@@ -89,3 +101,7 @@ class RunStats:
     @property
     def host_syncs_per_step(self) -> float:
         return self.host_syncs / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def host_transfers_per_step(self) -> float:
+        return self.host_transfers / self.num_steps if self.num_steps else 0.0

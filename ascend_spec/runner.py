@@ -23,9 +23,9 @@ import logging
 import sys
 import time
 from collections import deque
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -138,7 +138,7 @@ class ModelRunner:
         self.backend: Backend = get_backend(
             g.effective_backend, device, mode=g.mode, frozen_parameter=g.enable_frozen_parameter,
             view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
-            use_cached_graph=g.use_cached_graph, input_guards_only=True)
+            use_cached_graph=g.use_cached_graph, input_guards_only=True, graph_failure=cfg.graph_failure)
         self.shapes = self.backend.shapes
         # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
         self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None
@@ -464,8 +464,24 @@ class ModelRunner:
             return {b: self.k for b in self.batch_sizes}
         return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
 
+    def graph_failures(self) -> int:
+        """Compiled graphs of this runner that failed so far (``graph_failure: eager``: each step reran eagerly)."""
+        graphs = [self.target_graph, self.prefill_graph, self.proposer.graph if self.proposer is not None else None]
+        return sum(self.spec_graphs.failures.values()) + sum(g.num_failures for g in graphs if g is not None)
+
     def _counted(self) -> HostSyncCounter | None:
         return HostSyncCounter() if self.count_host_syncs else None
+
+    @contextmanager
+    def _transfers(self, stats: RunStats) -> Iterator[None]:
+        """Count the step's device -> host transfers (its results, read after its graphs) in ``stats``."""
+        if not self.count_host_syncs:
+            yield
+            return
+        with HostSyncCounter() as counter:
+            yield
+        stats.host_transfers += counter.count
+        stats.host_transfer_events.extend(counter.events)
 
     @staticmethod
     def _count_end(counter: HostSyncCounter | None, stats: RunStats) -> None:
@@ -656,9 +672,10 @@ class ModelRunner:
             hidden = hidden.clone() if hidden is not None else None
         if hidden is not None:
             self._note_undrafted(running, hidden)
-        # The one host transfer of the step: the tokens, for bookkeeping.
-        out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
-        lp_h = [t[:b].tolist() for t in lp] if lp else None
+        # The one host transfer of the step: the tokens, for bookkeeping (counted: it must stay one).
+        with self._transfers(stats):
+            out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
+            lp_h = [t[:b].tolist() for t in lp] if lp else None
         num_draft = [max(0, min(n, max_len - (s.num_tokens - 1) - 2)) for n, s in zip(batch.num_draft_host, running)]
         batch.input_ids, batch.start = next_input, next_start
         if batch.num_draft_host != [k] * b:
@@ -732,13 +749,15 @@ class ModelRunner:
                 self._count_end(counter, stats)
         n_logprobs = max((s.params.logprobs or 0 for s in running), default=0)
         want_logprobs = any(s.params.logprobs is not None for s in running)
-        lp_h = ([t.tolist() for t in top_logprobs(logits[:, : sampled.shape[1]], sampled, n_logprobs)]
-                if want_logprobs else None)
-        # The one host transfer of the step: tokens for bookkeeping.
-        sampled_h, valid_h = sampled.tolist(), valid.tolist()
+        lp = top_logprobs(logits[:, : sampled.shape[1]], sampled, n_logprobs) if want_logprobs else None
+        # The step's transfers: tokens, valid counts and the next drafts for bookkeeping (and logprobs).
+        with self._transfers(stats):
+            lp_h = [t.tolist() for t in lp] if lp is not None else None
+            sampled_h, valid_h = sampled.tolist(), valid.tolist()
+            drafts_h = drafts.tolist() if drafts is not None else None
         tokens = [sampled_h[i][: valid_h[i]] for i in range(b)]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
-        return StepOutput(tokens, num_draft, self.k, logprobs, drafts.tolist() if drafts is not None else None)
+        return StepOutput(tokens, num_draft, self.k, logprobs, drafts_h)
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,

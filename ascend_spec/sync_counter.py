@@ -109,8 +109,10 @@ _ACTIVE: list["HostSyncCounter"] = []
 def suspended() -> Iterator[None]:
     """Run a compiled graph replay outside the innermost active counter.
 
-    Dynamo would retrace a compiled function under a Python dispatch mode; and a ``fullgraph=True`` graph cannot
-    contain a host sync (it would be a graph break, which fullgraph turns into a compile error), so nothing is lost.
+    Dynamo would retrace a compiled function under a Python dispatch mode. What runs inside the graph is not
+    counted here: ``fullgraph=True`` does not keep host reads out (Dynamo captures ``.item()`` and integer
+    ``.tolist()`` as scalar outputs), so the graph lint (``graph.backends.lint``) checks each graph when it is
+    compiled, and strict mode (``graph_failure: raise``) refuses one that needs the host.
     """
     if not _ACTIVE:
         yield

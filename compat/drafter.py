@@ -86,6 +86,8 @@ class DrafterStats:
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
     graph_failures: int = 0  # compiled bucket graphs that raised; each of those steps reran eagerly
+    graph_failure_policy: str = ""  # "eager" (rerun and count) or "raise"
+    graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs
     rank: int = 0
     warmup_seconds: float = 0.0
     buckets: list[int] = field(default_factory=list)
@@ -216,7 +218,8 @@ class AscendSpecMtpMixin:
         backend = get_backend(g.effective_backend, self.device, mode=g.mode,
                               frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
                               tiling_schedule_optimize=g.tiling_schedule_optimize,
-                              use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1)
+                              use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1,
+                              graph_failure=s.graph_failure)
         k = self.num_speculative_tokens
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
         spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
@@ -225,6 +228,7 @@ class AscendSpecMtpMixin:
         self._ascend_cache_bound = False
         self.ascend_stats.buckets = list(sizes)
         self.ascend_stats.backend = backend.name
+        self.ascend_stats.graph_failure_policy = backend.graph_failure
         st = self.ascend_stats
         # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's own
         # lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their __del__
@@ -237,6 +241,7 @@ class AscendSpecMtpMixin:
             with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):
                 self._ascend.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
+        st.graph_host_ops = len(backend.lint.findings)
         logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
                     "weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
                     backend.name, sizes, 1 + k, st.warmup_seconds, st.quantization or "unquantised",
@@ -414,6 +419,7 @@ class AscendSpecMtpMixin:
         with torch.inference_mode():
             draft = self._ascend.propose(inputs)
         self.ascend_stats.graph_failures = self._ascend.graph.num_failures
+        self.ascend_stats.graph_host_ops = len(self._ascend.backend.lint.findings)
         if self.ascend_settings.collect_stats:
             self._check_host_buffer_after(b)
         return draft

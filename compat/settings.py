@@ -11,7 +11,9 @@
 ``ascend_spec`` keys: ``enabled`` (default true once the block is present), ``warmup`` (compile every
 graph bucket when vLLM sets up the KV cache; default true), ``collect_stats`` (record the async
 scheduling conditions seen per step; default false, costs host reads), ``stats_dir`` (a folder: each rank
-writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown).
+writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown), ``graph_failure``
+(``eager``: a compiled draft graph that fails reruns that draft eagerly, counted in the stats; ``raise``: it raises,
+and graphs that need the host are refused at compile time; default ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager``).
 ``torchair_graph_config`` is
 validated by :meth:`TorchairGraphConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
 inductor on CUDA or CPU. Without ``graph_batch_sizes`` the buckets are nano-vllm's
@@ -25,11 +27,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascend_spec.config import ConfigError, TorchairGraphConfig, default_graph_batch_sizes
+from ascend_spec.config import GRAPH_FAILURE_POLICIES, ConfigError, TorchairGraphConfig, default_graph_batch_sizes
 
 ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
-SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir")
+SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "graph_failure")
 DEFAULT_MAX_GRAPH_BATCH = 16
 METHODS = ("mtp", "deepseek_mtp")
 
@@ -40,6 +42,8 @@ class PluginSettings:
     warmup: bool = True
     collect_stats: bool = False
     stats_dir: str | None = None
+    #: None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (resolved where the backend is built)
+    graph_failure: str | None = None
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
 
     @classmethod
@@ -60,8 +64,11 @@ class PluginSettings:
         stats_dir = block.get("stats_dir")
         if stats_dir is not None and (not isinstance(stats_dir, str) or not stats_dir):
             raise ConfigError(f"{where}.stats_dir must be a folder path (string), got {stats_dir!r}")
+        policy = block.get("graph_failure")
+        if policy is not None and policy not in GRAPH_FAILURE_POLICIES:
+            raise ConfigError(f"{where}.graph_failure={policy!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
         return cls(enabled=block.get("enabled", True), warmup=block.get("warmup", True),
-                   collect_stats=block.get("collect_stats", False), stats_dir=stats_dir,
+                   collect_stats=block.get("collect_stats", False), stats_dir=stats_dir, graph_failure=policy,
                    graph=TorchairGraphConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
 
     def batch_sizes(self, max_num_seqs: int, num_speculative_tokens: int = 0, token_multiple: int = 1) -> list[int]:

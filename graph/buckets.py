@@ -13,10 +13,12 @@ one compile serves every width; where a graph replays one recorded shape (per-sh
 query pads with inert tokens (each argument's pad value) up to the next of ``query_widths``, one graph or capture
 per bucket and width. Wider queries run eagerly.
 
-A compiled graph that raises at run time (a backend or runtime fault) costs that step, not the engine: the
-step reruns on the eager reference, which computes the same outputs and rewrites the same cache slots with
-the same values (whatever the failed graph wrote is overwritten), so no token changes. The first failure of a
-bucket logs a warning; every failure is counted in ``failures``.
+A compiled graph that raises (a backend or runtime fault, at compile or replay) follows the backend's
+``graph_failure`` policy. ``eager`` (the users' default): that step reruns on the eager reference, which computes
+the same outputs and rewrites the same cache slots with the same values (whatever the failed graph wrote is
+overwritten), so no token changes; the first failure of a bucket logs a warning with its traceback, every failure
+is counted in ``failures``. ``raise`` (the test suite and CI): the failure is raised, so no check can pass on the
+eager reference while the graphs it meant to test fail.
 """
 from __future__ import annotations
 
@@ -34,16 +36,20 @@ from .backends.base import Backend, DynamicDims, compile_per_bucket
 logger = logging.getLogger(__name__)
 
 
-def note_graph_failure(failures: dict, key: object, what: str, exc: Exception) -> None:
-    """Count a compiled graph's run-time failure under ``key``; warn on the first one of that key only.
+def note_graph_failure(failures: dict, key: object, what: str, exc: Exception, policy: str) -> None:
+    """A compiled graph's failure under ``key``: raised again where ``policy`` is ``raise``; else counted, with a
+    warning and the traceback on the first one of that key (later ones at debug level).
 
     A compile policy speaking (``torch.compiler.set_stance("fail_on_recompile")`` refusing to compile) is no
-    fault to hide: it is raised again."""
-    if "torch.compile stance" in str(exc):
+    fault to hide: it is raised again whatever the policy."""
+    if policy == "raise" or "torch.compile stance" in str(exc):
         raise exc
     n = failures[key] = failures.get(key, 0) + 1
-    (logger.warning if n == 1 else logger.debug)("%s failed (%s: %s); this step runs eagerly (failure %d)",
-                                                 what, type(exc).__name__, exc, n)
+    if n == 1:
+        logger.warning("%s failed (%s: %s); this step runs eagerly (failure %d)", what, type(exc).__name__, exc, n,
+                       exc_info=exc)
+    else:
+        logger.debug("%s failed (%s: %s); this step runs eagerly (failure %d)", what, type(exc).__name__, exc, n)
 
 
 def warm_widths(max_blocks: int, smallest: int = 3, step: int = 8) -> list[int]:
@@ -191,7 +197,8 @@ class BucketedGraph:
         try:
             outputs = self._graph(bucket, width)(*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
-            note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc)
+            note_graph_failure(self.failures, bucket, f"{self.prefix}: compiled graph for batch size {bucket}", exc,
+                               self.backend.graph_failure)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
         if self.backend.reuses_outputs:
             return tuple(o[:b].clone() for o in outputs)

@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -6,12 +7,30 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
-from ascend_spec.graph.backends.base import ShapePolicy
+from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV, ShapePolicy
 from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import save_model
 from ascend_spec.models import BUNDLED_MODEL_DIR, FIXTURE_MODEL_DIR
 from ascend_spec.sampling import SamplingParams
+
+# The suite runs strict: a compiled graph that fails, or that needs the host (graph lint), fails its test instead
+# of rerunning eagerly; tests of the eager fallback ask for graph_failure="eager" themselves. Subprocesses (the vLLM
+# harness) inherit it.
+os.environ.setdefault(GRAPH_FAILURE_ENV, "raise")
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--plant-defect", default=None, metavar="NAME",
+                     help="plant one defect (tests/planted_defects.py) to see the test guarding it fail")
+
+
+def pytest_configure(config) -> None:
+    name = config.getoption("--plant-defect")
+    if name:
+        from .planted_defects import plant
+
+        plant(name)
+
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
                    kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,

@@ -1,4 +1,5 @@
-"""The fused one-graph step: same tokens as the step-by-step path, no host syncs, K chosen per bucket."""
+"""The fused one-graph step: same tokens as the step-by-step path, no host syncs, one device -> host read per step,
+K chosen per bucket."""
 import dataclasses
 import pytest
 import torch
@@ -50,6 +51,10 @@ def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
     assert stats.num_steps == ref_stats.num_steps
     assert stats.steps_per_k == {k: stats.num_steps}
     assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    # device -> host reads after the graphs: the fused step's one (its tokens); the step-by-step path reads the
+    # tokens, the valid counts and, speculating, the next drafts
+    assert stats.host_transfers == stats.num_steps, stats.host_transfer_events[:5]
+    assert ref_stats.host_transfers == (3 if k else 2) * ref_stats.num_steps, ref_stats.host_transfer_events[:5]
 
 
 def test_fused_near_max_model_len(trained_dir, prompts):
@@ -297,6 +302,8 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     assert dynamo_compile_count() == before
     assert stats.recompiles_after_warmup == 0 and gstats.recompiles_after_warmup == 0
     assert stats.host_syncs == 0 and gstats.host_syncs == 0
+    assert gstats.host_transfers == gstats.num_steps  # greedy, no logprobs: one read per step
+    assert stats.graph_failures == gstats.graph_failures == stats.graph_host_ops == 0
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = _engine(trained_dir, 2, fused=False).generate(prompts[:3], SamplingParams(), [200, 20, 40])
     assert [o.token_ids for o in greedy] == [o.token_ids for o in ref]
@@ -334,6 +341,7 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(**run)
     assert dynamo_compile_count() == before and stats.host_syncs == 0
+    assert stats.host_transfers == stats.num_steps and stats.graph_failures == stats.graph_host_ops == 0
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = engine("eager").generate(**run)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -355,6 +363,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert dynamo_compile_count() == before and stats.host_syncs == 0
+    assert stats.host_transfers == stats.num_steps and stats.graph_failures == stats.graph_host_ops == 0
     ref, _, _ = _engine(trained_dir, k, fused=False).generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 

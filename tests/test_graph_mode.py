@@ -71,6 +71,7 @@ def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engin
     assert m.as_dict() == ref_m.as_dict()
     assert stats.backend == "inductor"
     assert stats.recompiles_after_warmup == 0
+    assert stats.graph_failures == 0 and stats.graph_host_ops == 0
 
 
 def test_zero_recompiles_over_1000_steps(trained_dir, inductor_engine):
@@ -120,6 +121,8 @@ def test_cuda_reduce_overhead_parity(trained_dir):
     got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert stats.recompiles_after_warmup == 0
+    # tokens alone would pass with every graph failing and rerun eagerly (the suite is strict, and says so here)
+    assert eng.backend.graph_failure == "raise" and stats.graph_failures == 0 and stats.graph_host_ops == 0
 
 
 @pytest.mark.npu
@@ -133,8 +136,11 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
                                                       **cfg), device="npu").generate(prompts, SamplingParams(), 24)
     graph = TorchairGraphConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
     eng = load_engine(trained_dir, EngineConfig(graph=graph, adaptive_k=False, **cfg), device="npu")
-    got, _, _ = eng.generate(prompts, SamplingParams(), 24)
+    got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    # tokens alone would pass with every torchair graph failing and rerun eagerly
+    assert eng.backend.graph_failure == "raise" and stats.graph_failures == 0
+    assert stats.graph_host_ops == 0 and stats.recompiles_after_warmup == 0
 
 
 def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):

@@ -95,6 +95,32 @@ def test_slot_minus_one_writes_nothing():
     assert torch.equal(cache.view(-1, 8)[17], torch.ones(8))
 
 
+def test_draft_chain_writes_only_its_own_slots():
+    """Every cache entry the draft chain writes is the slot of a position it drafts from: the verified tokens
+    (its first step) and, per live row, the K - 1 chained drafts after the last accepted one; pad rows and
+    everything else stay untouched. Slots are computed here by hand, not by ``slots_for``."""
+    model = random_model()
+    k, block = 3, 16
+    table = torch.tensor([[1, 2], [3, 4], [0, 0]])
+    pos = torch.tensor([[14, 15, 16], [5, 6, 7], [0, 0, 0]])
+    sample_idx = torch.tensor([1, 2, 0])  # the last accepted position of each row: 15, 7 (row 2 is padding)
+    seq_lens = torch.tensor([17, 8, 0])
+
+    def slot(row: int, p: int) -> int:
+        return int(table[row, p // block]) * block + p % block
+
+    slots = torch.tensor([[slot(0, p) for p in (14, 15, 16)], [slot(1, p) for p in (5, 6, 7)], [-1, -1, -1]])
+    ids = torch.randint(1, TINY.vocab_size, (3, 3))
+    hidden = torch.randn(3, 3, TINY.hidden_size)
+    cache = torch.randn(6, block, 576)
+    before = cache.clone()
+    with torch.no_grad():
+        make_draft_step(model, k, 64)(ids, pos, hidden, sample_idx, slots, table, seq_lens, cache)
+    written = set((cache != before).any(-1).flatten().nonzero().flatten().tolist())
+    chained = {slot(0, 15 + j) for j in range(1, k)} | {slot(1, 7 + j) for j in range(1, k)}
+    assert written == set(slots[:2].flatten().tolist()) | chained, (sorted(written), sorted(chained))
+
+
 def test_pad_rows_are_finite_and_inert():
     model = random_model()
     caches = tuple(torch.zeros(4, 16, 576) for _ in range(2))

@@ -1,13 +1,33 @@
 """The backend interface and the factory that picks one for the device at hand."""
 from __future__ import annotations
 
+import os
 import types
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
+from .lint import GraphLint
+
 GraphFn = Callable[..., object]
+
+#: what a compiled graph's failure does: ``eager`` reruns that step on the eager definition (counted, the first
+#: traceback of each graph logged), ``raise`` raises it (and the graph lint refuses graphs that need the host)
+GRAPH_FAILURE_POLICIES = ("eager", "raise")
+#: the policy where no setting names one (CI and the test suite set ``raise``); unset: ``eager``
+GRAPH_FAILURE_ENV = "ASCEND_SPEC_GRAPH_FAILURE"
+
+
+def resolve_graph_failure(setting: str | None) -> str:
+    """The graph failure policy: ``setting`` when given, else ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager``."""
+    where = "graph_failure"
+    if setting is None:
+        setting = os.environ.get(GRAPH_FAILURE_ENV) or "eager"
+        where = GRAPH_FAILURE_ENV
+    if setting not in GRAPH_FAILURE_POLICIES:
+        raise ValueError(f"{where}={setting!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
+    return setting
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +69,10 @@ class Backend(Protocol):
     shapes: ShapePolicy
     #: the paged attention kernel the graphs use (graph.mla_kernels.KERNELS)
     attention_kernel: str
+    #: one of GRAPH_FAILURE_POLICIES
+    graph_failure: str
+    #: checks every graph this backend compiles for ops that need the host (graph.backends.lint)
+    lint: GraphLint
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         """Return the graph-mode version of ``fn``; ``tag`` names it, e.g. ``draft`` or ``draft_bs8``. ``dims``:
@@ -94,24 +118,31 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autotune", frozen_parameter: bool = True,
                 view_optimize: bool = True, tiling_schedule_optimize: bool = False,
-                use_cached_graph: bool = False, distributed: bool = False, input_guards_only: bool = False) -> Backend:
+                use_cached_graph: bool = False, distributed: bool = False, input_guards_only: bool = False,
+                graph_failure: str | None = None) -> Backend:
     """``input_guards_only``: inductor on CPU re-checks only the guards on a graph's arguments on each call
-    (``graph.backends.guards``), for callers whose graphs take every per-call value as an argument."""
+    (``graph.backends.guards``), for callers whose graphs take every per-call value as an argument.
+    ``graph_failure``: see :func:`resolve_graph_failure`."""
     device = torch.device(device)
     resolved = resolve_backend_name(name, device)
+    policy = resolve_graph_failure(graph_failure)
+    backend: Backend
     if resolved == "eager":
         from .eager import EagerBackend
 
-        return EagerBackend()
-    if resolved == "inductor":
+        backend = EagerBackend(policy)
+    elif resolved == "inductor":
         from .inductor import InductorBackend
 
-        return InductorBackend(device, input_guards_only=input_guards_only)
-    if resolved == "torchair":
+        backend = InductorBackend(device, input_guards_only=input_guards_only, graph_failure=policy)
+    elif resolved == "torchair":
         from .torchair import TorchairBackend, TorchairOptions
 
-        return TorchairBackend(TorchairOptions(mode=mode, frozen_parameter=frozen_parameter,
-                                               view_optimize=view_optimize,
-                                               tiling_schedule_optimize=tiling_schedule_optimize,
-                                               use_cached_graph=use_cached_graph, distributed=distributed))
-    raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair']")
+        backend = TorchairBackend(TorchairOptions(mode=mode, frozen_parameter=frozen_parameter,
+                                                  view_optimize=view_optimize,
+                                                  tiling_schedule_optimize=tiling_schedule_optimize,
+                                                  use_cached_graph=use_cached_graph, distributed=distributed),
+                                  graph_failure=policy)
+    else:
+        raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair']")
+    return backend

@@ -18,6 +18,7 @@ import torch
 
 from .base import DynamicDims, GraphFn, ShapePolicy
 from .guards import keep_input_guards
+from .lint import GraphLint
 
 
 def mark_dims(args: tuple[Any, ...], dims: DynamicDims) -> None:
@@ -32,8 +33,10 @@ class InductorBackend:
     #: compiled layers are nested compile regions (torchair's GE converter has no such op; it compiles flat)
     compile_regions = True
 
-    def __init__(self, device: torch.device, input_guards_only: bool = False) -> None:
+    def __init__(self, device: torch.device, input_guards_only: bool = False, graph_failure: str = "eager") -> None:
         self.device = device
+        self.graph_failure = graph_failure
+        self.lint = GraphLint(strict=graph_failure == "raise")
         cuda = device.type == "cuda"
         self.mode = "reduce-overhead" if cuda else None
         # CUDA graph replays overwrite their static outputs.
@@ -52,10 +55,16 @@ class InductorBackend:
         # a new dict each call: torch.compile pops "guard_filter_fn" out of the one it is given
         return None if self.guard_filter is None else {"guard_filter_fn": self.guard_filter}
 
+    def _backend(self, tag: str, dynamic: bool | None) -> Any:
+        """Inductor (with ``mode``) behind the graph lint: the lint sees the captured graph before lowering."""
+        return self.lint.wrap(torch._TorchCompileInductorWrapper(self.mode, None, dynamic), tag)
+
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if dims is None:
-            return torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode, options=self._options())
-        compiled = torch.compile(fn, fullgraph=True, dynamic=None, mode=self.mode, options=self._options())
+            return torch.compile(fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
+                                 options=self._options())
+        compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=self._backend(tag, None),
+                                 options=self._options())
 
         def call(*args: Any) -> Any:
             # Any call may compile (a batch of one specialises its own graph): mark the dynamic dimensions of every

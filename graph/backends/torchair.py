@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
+from .lint import GraphLint
 
 #: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
 _MODE_ALIASES = {"max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead", "npugraph_ex": "npugraph_ex"}
@@ -67,8 +68,10 @@ class TorchairBackend:
     attention_kernel = "npu"
     compile_regions = False
 
-    def __init__(self, opts: TorchairOptions) -> None:
+    def __init__(self, opts: TorchairOptions, graph_failure: str = "eager") -> None:
         self.opts = opts
+        self.graph_failure = graph_failure
+        self.lint = GraphLint(strict=graph_failure == "raise")
         self._torchair = _import_torchair()
         if opts.distributed:
             # Lower torch.distributed collectives in the graph to HCOM ops, as vllm-ascend's torchair mode did
@@ -81,6 +84,7 @@ class TorchairBackend:
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if self.opts.use_cached_graph:
             # One cache_compile per batch size; ``fn`` already carries a per-size co_name (clone_with_name),
-            # so Dynamo does not invalidate one size's cache when another compiles.
+            # so Dynamo does not invalidate one size's cache when another compiles. cache_compile builds its own
+            # backend from the config: these graphs are not linted.
             return self._torchair.inference.cache_compile(fn, config=self._config, dynamic=False)
-        return torch.compile(fn, backend=self._npu_backend, fullgraph=True, dynamic=False)
+        return torch.compile(fn, backend=self.lint.wrap(self._npu_backend, tag), fullgraph=True, dynamic=False)

@@ -1,0 +1,107 @@
+"""Defects planted on purpose, one per invariant, to prove the test guarding it can fail.
+
+    pytest --plant-defect=NAME tests/...     (tests/conftest.py applies it before any test runs)
+
+Each entry names the test(s) that must fail with it planted; nothing here is shipped behaviour.
+
+- ``host_read_in_step``: a ``.tolist()`` of a device tensor inside the fused step graph. Fails
+  ``test_fused_step.py::test_fused_equals_step_by_step`` (eager: the host-sync counter sees it) and, on compiled
+  backends, every test that compiles the fused step (the graph lint refuses the graph in strict mode).
+- ``shape_change``: from the fifth decode step on, the fused step's token input is one column wider (a shape that
+  changes between steps). Fails ``test_graph_mode.py::test_zero_recompiles_over_1000_steps`` (a recompile after
+  warm-up) and the ``fail_on_recompile`` tests of ``test_fused_step.py``.
+- ``graph_raises``: every third call of a fused step graph or bucket graph raises after running. Fails any test
+  running graphs under the suite's strict policy (``test_fused_step.py::test_fused_equals_step_by_step``,
+  ``test_graph_mode.py::test_end_to_end_greedy_identical_across_backends``); under ``graph_failure: eager`` the
+  tokens stay right and only the failure counters tell.
+- ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
+  ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+PLANTS: dict[str, Callable[[], None]] = {}
+
+
+def _plant(fn: Callable[[], None]) -> Callable[[], None]:
+    PLANTS[fn.__name__] = fn
+    return fn
+
+
+class PlantedGraphFault(RuntimeError):
+    pass
+
+
+@_plant
+def host_read_in_step() -> None:
+    from ascend_spec import fused_step
+
+    original = fused_step.make_spec_step
+
+    def make_spec_step(*args, **kwargs):
+        step = original(*args, **kwargs)
+
+        def spec_step(input_ids, start, *rest):
+            first = start[:1].tolist()  # the defect: a device -> host read inside the graph
+            return step(input_ids, start + 0 * first[0], *rest)
+
+        return spec_step
+
+    fused_step.make_spec_step = make_spec_step
+
+
+@_plant
+def shape_change() -> None:
+    from ascend_spec.runner import ModelRunner
+
+    original = ModelRunner._replay_args
+    steps = {"n": 0}
+
+    def _replay_args(self, batch, width, noise):
+        key, args = original(self, batch, width, noise)
+        if batch.req_ids:  # a decode step (warm-up replays inert batches)
+            steps["n"] += 1
+            if steps["n"] >= 5:  # the defect: the step's tokens grow a column (an unused input would not guard)
+                args = (torch.cat([args[0], args[0][:, -1:]], dim=1), *args[1:])
+        return key, args
+
+    ModelRunner._replay_args = _replay_args
+
+
+@_plant
+def graph_raises() -> None:
+    from ascend_spec.fused_step import SpecStepGraphs
+    from ascend_spec.graph.buckets import BucketedGraph
+
+    calls = {"n": 0}
+
+    def failing(graph):
+        def call(*args):
+            out = graph(*args)
+            calls["n"] += 1
+            if calls["n"] % 3 == 0:  # the defect: the graph raises (after running, as a mid-run fault)
+                raise PlantedGraphFault(f"planted graph fault on call {calls['n']}")
+            return out
+        return call
+
+    get, pick = SpecStepGraphs.get, BucketedGraph._graph
+    SpecStepGraphs.get = lambda self, key: failing(get(self, key))
+    BucketedGraph._graph = lambda self, rows, query: failing(pick(self, rows, query))
+
+
+@_plant
+def draft_wrong_slot() -> None:
+    from ascend_spec.graph import steps
+
+    original = steps.slots_for
+    # the defect: the draft chain's (and only its: other modules bound their own name) slots are one early
+    steps.slots_for = lambda positions, block_table: original(positions, block_table) - 1
+
+
+def plant(name: str) -> None:
+    if name not in PLANTS:
+        raise ValueError(f"--plant-defect={name!r}; allowed: {sorted(PLANTS)}")
+    PLANTS[name]()
