@@ -194,17 +194,14 @@ class EngineConfig:
         if self.kv_blocks is not None and (isinstance(self.kv_blocks, bool) or not isinstance(self.kv_blocks, int)
                                            or self.kv_blocks < 2):
             raise ConfigError(f"kv_blocks={self.kv_blocks!r}; allowed: an int >= 2 (block 0 is reserved)")
-<<<<<<< HEAD
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs % 16 or bs > MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size={bs!r}; allowed: a multiple of 16 up to {MAX_BLOCK_SIZE} "
                               "(16: vLLM CPU_MLA, 64: FlashMLA, 128: vllm-ascend MLA)")
         if self.kv_layout not in LAYOUTS:
             raise ConfigError(f"kv_layout={self.kv_layout!r}; allowed: {list(LAYOUTS)}")
-=======
         if self.graph_failure is not None and self.graph_failure not in GRAPH_FAILURE_POLICIES:
             raise ConfigError(f"graph_failure={self.graph_failure!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
->>>>>>> strict
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:
