@@ -88,3 +88,20 @@ def test_bad_block_size_or_layout_is_one_clear_error(key, value, allowed):
     with pytest.raises(ConfigError, match=rf"{key}={value!r}; allowed: .*{allowed}".replace("[", r"\[")
                        .replace("]", r"\]")):
         dataclasses.replace(EngineConfig(), **{key: value})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_size, layout", [(64, "fused"), (128, "pair")])
+def test_cuda_graphs_at_serving_block_sizes(trained_dir, prompts, block_size, layout):
+    """CUDA graphs (FlashMLA's block 64; vllm-ascend's block 128 pair) give the tokens and counts the eager engine
+    gives on the GPU at block 16, with every cache tensor at a static address (unmarked, replays write copies)."""
+    ref, _, ref_m = load_engine(trained_dir, _config(16, "fused"), device="cuda").generate(
+        prompts, SamplingParams(), MAX_TOKENS)
+    eng = load_engine(trained_dir, _config(block_size, layout, compiled=True), device="cuda")
+    assert eng.backend.reuses_outputs
+    eng.warmup(progress=False)
+    got, stats, m = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert m.as_dict() == ref_m.as_dict()
+    assert stats.recompiles_after_warmup == 0 and stats.graph_failures == 0
