@@ -6,7 +6,8 @@ builds our :class:`~ascend_spec.graph.model.DeepseekV3ForCausalLM` on the meta d
 MTP path with vLLM's objects:
 
 * tensors we can view are used in place: RMSNorm scales, ``eh_proj`` (a plain ``nn.Linear``), the absorbed MLA
-  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method),
+  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method;
+  where its MLA backend keeps them only packed, AMX_MLA, the absorbed products run its own kernels instead),
   the rotary ``cos_sin_cache``;
 * layers that hold weights run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`),
   so vLLM's quant method picks the kernel (fp8 block, W8A8, int4, CPU-prepacked, tensor-parallel): the q/kv
