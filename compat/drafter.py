@@ -95,6 +95,7 @@ class DrafterStats:
     weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
     quantization: str = ""  # vLLM's quant method for the checkpoint ("": none); our draft runs vLLM's layers
     vocab_parallel_greedy: bool = False  # TP > 1: each draft token and its embedding in one all-gather
+    mla_absorb: str = ""  # how the absorbed W_UK / W_UV products run: views of vLLM's matrices, or its kernels
     # async-scheduling conditions (collect_stats only)
     steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
@@ -195,6 +196,8 @@ class AscendSpecMtpMixin:
                                                opaque_moe=self.device.type != "npu")
         self.ascend_stats.weights_owned_bytes = owned_tensor_bytes(self._ascend_model, self.model)
         self.ascend_stats.vocab_parallel_greedy = self._ascend_model.greedy_head is not None
+        attn = self._ascend_model.mtp_layer(0).self_attn
+        self.ascend_stats.mla_absorb = attn.uk_proj.name if attn.uk_proj is not None else "W_UK_T / W_UV views"
 
     def initialize_attn_backend(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)

@@ -6,7 +6,8 @@ builds our :class:`~ascend_spec.graph.model.DeepseekV3ForCausalLM` on the meta d
 MTP path with vLLM's objects:
 
 * tensors we can view are used in place: RMSNorm scales, ``eh_proj`` (a plain ``nn.Linear``), the absorbed MLA
-  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method),
+  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method;
+  where its MLA backend keeps them only packed, AMX_MLA, the absorbed products run its own kernels instead),
   the rotary ``cos_sin_cache``;
 * layers that hold weights run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`),
   so vLLM's quant method picks the kernel (fp8 block, W8A8, int4, CPU-prepacked, tensor-parallel): the q/kv
@@ -46,11 +47,14 @@ logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our 
 
 
 def _linear(layer: nn.Module, name: str) -> External:
-    """vLLM's LinearBase layers return ``(output, bias)``; a plain module returns the output."""
+    """vLLM's LinearBase layers return ``(output, bias)``; a plain module returns the output. They get
+    ``[tokens, in]``, as in vLLM's models: some CPU kernels take no other shape (W8A8 int8 on AMX reads dim 0 as
+    the token count)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        out = layer(x)
-        return out[0] if isinstance(out, tuple) else out
+        out = layer(x.reshape(-1, x.shape[-1]))
+        out = out[0] if isinstance(out, tuple) else out
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     return External(forward, f"vllm {name}")
 
@@ -122,19 +126,56 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
     _share_norm(attn.kv_a_layernorm, vattn.kv_a_layernorm)
     attn.o_proj = _linear(vattn.o_proj, "o_proj")
     del attn.kv_b_proj  # replaced by the absorbed matrices vLLM derived from it
-    holder = next((m for m in vattn.modules()  # manifest: ignore (W_UK_T is registered at run time)
-                   if isinstance(getattr(m, "W_UK_T", None), torch.Tensor)), None)  # manifest: ignore
-    if holder is None:
-        raise CompatError("vLLM's MLA layer holds no W_UK_T / W_UV (a backend that packs them, e.g. AMX MLA): "
-                          "the ascend_spec drafter cannot share them")
-    # W_UK_T [H, nope, C] is our W_UK; W_UV [H, C, v] transposed is our W_UV [H, v, C]: views, no copies.
-    attn.absorbed = (holder.W_UK_T, holder.W_UV.transpose(1, 2))
-    # vLLM's rotary cache is [positions, rope]: cos then sin of the same frequencies ours use (YaRN included).
+    _absorbed_on_vllm(attn, vattn, cfg)
+    # vLLM's rotary cache is [positions, rope]: cos then sin of the same frequencies ours use (YaRN included),
+    # in the model's dtype as vLLM's own RoPE reads it (views: ours rotates in float32 from those values).
     rotary = vattn.rotary_emb
     cache = rotary.cos_sin_cache
     half = cfg.qk_rope_head_dim // 2
-    attn.rope.cos_cached = cache[:, :half].to(device=device, dtype=torch.float32)
-    attn.rope.sin_cached = cache[:, half:].to(device=device, dtype=torch.float32)
+    attn.rope.cos_cached = cache[:, :half].to(device=device)
+    attn.rope.sin_cached = cache[:, half:].to(device=device)
+
+
+def _absorbed_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig) -> None:
+    """The absorbed products (``q_nope·W_UK``, ``o_lat·W_UV``) on the matrices vLLM's MLA layer built.
+
+    Most backends keep ``W_UK_T`` / ``W_UV`` as plain tensors on the layer (dequantised for every quant method):
+    our einsums read views of them. vLLM's AMX MLA keeps them only VNNI-packed in its impl (bf16, or fp8 with a
+    per-tensor scale): the products then run vLLM's own kernels on its packed copies, as its decode does.
+    """
+    holder = next((m for m in vattn.modules()  # manifest: ignore (W_UK_T is registered at run time)
+                   if isinstance(getattr(m, "W_UK_T", None), torch.Tensor)), None)  # manifest: ignore
+    if holder is not None:
+        # W_UK_T [H, nope, C] is our W_UK; W_UV [H, C, v] transposed is our W_UV [H, v, C]: views, no copies.
+        attn.absorbed = (holder.W_UK_T, holder.W_UV.transpose(1, 2))
+        return
+    mla = next((m for m in vattn.modules()  # manifest: ignore (nn.Module API)
+                if getattr(m, "impl", None) is not None), None)
+    backend = type(mla.impl).__name__ if mla is not None else type(vattn).__name__
+    if mla is None or not getattr(mla, "is_amx_bmm_enabled", False):
+        raise CompatError(f"ascend_spec drafter: vLLM's MLA backend {backend} holds neither W_UK_T / W_UV nor "
+                          "AMX-packed copies of them; run the draft layer on one that does, e.g. "
+                          "speculative_config={'attention_backend': 'CPU_MLA'} on CPU")
+    from vllm._custom_ops import bmm_cpu
+
+    amx_impl, heads = mla.impl, attn.num_heads
+    nope, latent, v = cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+
+    def uk_proj(q_nope: torch.Tensor) -> torch.Tensor:
+        # MLAAttention.forward_impl's AMX absorb: out[h] = q_nope[h] @ packed_W_UK[h]^T, heads leading.
+        x = q_nope.reshape(-1, heads, nope)
+        out = x.new_empty(x.shape[0], heads, latent)
+        bmm_cpu(out.transpose(0, 1), x.transpose(0, 1), amx_impl._w_uk_packed, True, amx_impl._w_scale)
+        return out.view(*q_nope.shape[:-1], latent)
+
+    def uv_proj(o_lat: torch.Tensor) -> torch.Tensor:
+        x = o_lat.reshape(-1, heads, latent)
+        out = x.new_empty(x.shape[0], heads * v)
+        mla._v_up_proj(x, out)  # vLLM's de-absorb (its packed W_UV on AMX)
+        return out.view(*o_lat.shape[:-1], v)
+
+    attn.uk_proj = External(uk_proj, f"vllm {backend} packed W_UK (bmm_cpu)")
+    attn.uv_proj = External(uv_proj, f"vllm {backend} _v_up_proj (packed W_UV)")
 
 
 def _greedy_head_on_vllm(predictor: nn.Module, head: nn.Module, tp_size: int) -> External | None:

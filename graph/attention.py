@@ -35,10 +35,17 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        #: Host-engine module seams (see graph/external.py), None for our own weights. Instance attributes: a
+        #: module assigned later goes to ``_modules``, which a class attribute of the same name would shadow.
+        #: A fused ``[q_a ; kv_a]`` projection (vLLM's ``fused_qkv_a_proj``), and the absorbed products as the
+        #: host's attention computes them, for hosts whose ``W_UK`` / ``W_UV`` exist only in a kernel's own layout
+        #: (vLLM's AMX MLA packs them): ``uk_proj(q_nope [..., H, nope]) → q_lat [..., H, C]`` and
+        #: ``uv_proj(o_lat [..., H, C]) → [..., H, v]`` (None: the einsums with ``_w_uk_uv``).
+        self.fused_a_proj: nn.Module | None = None
+        self.uk_proj: nn.Module | None = None
+        self.uv_proj: nn.Module | None = None
 
-    #: Host-engine seams (see graph/external.py), None for our own weights: a fused ``[q_a ; kv_a]``
-    #: projection (vLLM's ``fused_qkv_a_proj``), and the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.
-    fused_a_proj: nn.Module | None = None
+    #: Host-engine seam, None for our own weights: the absorbed ``(W_UK [H, nope, C], W_UV [H, v, C])``.
     absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
     #: the paged attention kernel (see :mod:`.mla_kernels`); chosen per backend by ``set_attention_kernel``
     kernel: MLAKernel = staticmethod(gather_mla)  # type: ignore[assignment]
@@ -75,10 +82,15 @@ class MLAttention(nn.Module):
         write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(b * q_len, -1),
                            k_pe.reshape(b * q_len, -1))
 
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, w_uk)
+        if self.uk_proj is not None:
+            q_lat = self.uk_proj(q_nope)
+        else:
+            q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, self._w_uk_uv()[0])
         o_lat = self.kernel(q_lat, q_pe, latent_parts(cache, cfg.kv_lora_rank), inp, cfg.softmax_scale)
-        out = torch.einsum("bqhc,hvc->bqhv", o_lat, w_uv)
+        if self.uv_proj is not None:
+            out = self.uv_proj(o_lat)
+        else:
+            out = torch.einsum("bqhc,hvc->bqhv", o_lat, self._w_uk_uv()[1])
         return self.o_proj(out.reshape(b, q_len, -1))
 
     # -- dense (training and reference) ---------------------------------------------------------

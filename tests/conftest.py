@@ -182,6 +182,27 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
     return {r["name"]: r for r in json.loads(out.read_text())}
 
 
+def amx_cpu() -> bool:
+    """Whether vLLM-CPU takes its AMX paths on this host (x86 with AMX tiles, vLLM's own test): the AMX_MLA
+    attention backend (bf16 only, block sizes a multiple of 32) unless CPU_MLA is pinned, and W8A8 int8 GEMMs
+    that take bf16 / fp16 activations only."""
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(torch.cpu._is_amx_tile_supported())
+
+
+def vllm_cpu_dtype() -> str:
+    """The activation dtype every vLLM-CPU kernel the tests run takes on this host: bf16 on AMX (its W8A8 int8
+    GEMM and AMX_MLA have no float32 path), float32 elsewhere."""
+    return "bfloat16" if amx_cpu() else "float32"
+
+
+#: top-2 logprob gap below which two greedy runs may pick different tokens, per dtype: a few float32 roundings,
+#: or two bf16 steps of a logit below 16 (bf16 logits there sit on a grid of 2**-4 or finer, and another batch
+#: shape, e.g. a verify instead of a decode, moves one by a step)
+TIE_BY_DTYPE = {"float32": 2e-3, "bfloat16": 2 * 2 ** -4}
+
+
 def npu_available() -> bool:
     """An Ascend NPU with torch_npu and CANN (never installed in CI: importing torch_npu needs CANN)."""
     try:

@@ -251,3 +251,32 @@ def test_moe_forward_context_sets_one_only_when_none_is_set():
     dp = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
     with pytest.raises(shims.CompatError, match="data_parallel_size=2"):
         shims.moe_forward_context(dp)
+
+
+def test_absorbed_mla_matrices_are_views_or_one_error_naming_the_backend():
+    """W_UK_T / W_UV on vLLM's MLA layer are used as views; a backend with neither them nor AMX-packed copies gets
+    one CompatError naming it and the setting that works."""
+    from torch import nn
+
+    from ascend_spec.compat.host_weights import _absorbed_on_vllm
+    from ascend_spec.graph.attention import MLAttention
+    from ascend_spec.graph.layers import RotaryEmbedding
+
+    from .conftest import TINY
+
+    class PackingMLAImpl:  # an MLA impl that keeps its matrices in a layout of its own
+        pass
+
+    attn = MLAttention(TINY, RotaryEmbedding.from_config(TINY))
+    h, nope, c, v = TINY.num_attention_heads, TINY.qk_nope_head_dim, TINY.kv_lora_rank, TINY.v_head_dim
+    vattn, mla = nn.Module(), nn.Module()
+    vattn.mla_attn = mla
+    mla.impl = PackingMLAImpl()
+    mla.is_amx_bmm_enabled = False
+    with pytest.raises(shims.CompatError, match=r"PackingMLAImpl.*attention_backend': 'CPU_MLA'"):
+        _absorbed_on_vllm(attn, vattn, TINY)
+    mla.W_UK_T, mla.W_UV = torch.randn(h, nope, c), torch.randn(h, c, v)
+    _absorbed_on_vllm(attn, vattn, TINY)
+    w_uk, w_uv = attn.absorbed
+    assert w_uk.data_ptr() == mla.W_UK_T.data_ptr() and w_uv.data_ptr() == mla.W_UV.data_ptr()
+    assert w_uv.shape == (h, v, c) and attn.uk_proj is None and attn.uv_proj is None

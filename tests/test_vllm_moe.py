@@ -53,15 +53,15 @@ def ok(runs: dict, name: str) -> dict:
     return runs[name]
 
 
-def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str) -> None:
-    """Identical, or first different where the reference's top-2 logprob gap is below TIE (then printed)."""
+def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str, tie: float = TIE) -> None:
+    """Identical, or first different where the reference's top-2 logprob gap is below ``tie`` (then printed)."""
     for p, (a, b) in enumerate(zip(ref["tokens"], tokens)):
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
                 top = sorted(ref["logprobs"][p][i].values(), reverse=True)
                 gap = top[0] - top[1]
-                assert gap < TIE, (f"{what}: prompt {p}, token {i}: {y} != {x}; top-2 logprob gap {gap:.3g} "
-                                   f">= {TIE}: not a tie")
+                assert gap < tie, (f"{what}: prompt {p}, token {i}: {y} != {x}; top-2 logprob gap {gap:.3g} "
+                                   f">= {tie}: not a tie")
                 print(f"{what}: tie at prompt {p}, token {i} (top-2 gap {gap:.2e}); later tokens not compared")
                 break
         else:

