@@ -85,6 +85,7 @@ class DrafterStats:
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
+    own_dummy_runs: int = 0  # vllm-ascend's dummy steps (its graph captures) run as inert drafts through our graphs
     graph_failures: int = 0  # compiled bucket graphs that raised; each of those steps reran eagerly
     graph_failure_policy: str = ""  # "eager" (rerun and count) or "raise"
     graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs

@@ -109,6 +109,10 @@ class OneShapePerKey:
     shapes = ShapePolicy(dynamic_batch=False, exact_batch=False, trim_context=False)
 
     def __init__(self) -> None:
+        from ascend_spec.graph.backends.lint import GraphLint
+
+        self.graph_failure = "raise"
+        self.lint = GraphLint(strict=True)  # the Backend protocol's; nothing is traced here, so it finds nothing
         self.recorded: dict[str, tuple] = {}
         self.replays: dict[str, int] = {}
 

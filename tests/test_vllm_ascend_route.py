@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ascend_spec.graph.backends import ShapePolicy
+from ascend_spec.graph.backends.lint import GraphLint
 
 from ascend_spec.compat import ascend, ascend_hook
 from ascend_spec.config import ConfigError
@@ -257,7 +258,7 @@ class RecordingDraft:
         self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
                                            tokens_for=lambda b, q: (b + b % 2) * max(q, 8))  # even rows, q >= 8
         # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
-        self.backend = types.SimpleNamespace(shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
+        self.backend = types.SimpleNamespace(lint=GraphLint(strict=True), shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
                                                                 trim_context=False))
 
     @property
@@ -270,6 +271,9 @@ class RecordingDraft:
     def propose(self, inputs):
         self.inputs.append(inputs)
         return torch.full((inputs.next_token_ids.shape[0], self.num_speculative_tokens), 7)
+
+    def dummy_run(self, num_reqs: int) -> None:
+        self.inputs.append(("dummy_run", num_reqs))
 
 
 def attn_metadata(qsl: list[int], seq_lens: list[int], k: int, block_table: torch.Tensor):
@@ -435,6 +439,25 @@ def test_our_proposer_drafts_on_vllm_ascends_nope_rope_cache(release, trained_di
     for ours, theirs in zip((nope.squeeze(2), rope.squeeze(2)), reference_cache):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert not torch.equal(nope.squeeze(2)[3, 10:14], torch.zeros(4, cfg.kv_lora_rank))
+
+
+def test_dummy_runs_are_vllm_ascends_until_ours_is_built(release):
+    """Its profile run (before the KV pool is sized, our graphs not built) stays vllm-ascend's; once ours is built,
+    the runner's dummy steps (ACL graph captures of its drafter) are inert drafts through our graphs, never a
+    capture of its drafter."""
+    import vllm_ascend.spec_decode.llm_base_proposer as base
+
+    d = built_adapter()
+    ours, d._ascend = d._ascend, None
+    base.CALLS.clear()
+    d.dummy_run(num_tokens=12, with_prefill=False, num_reqs=4, is_profile=True)
+    assert [c[0] for c in base.CALLS] == ["dummy_run"]
+    d._ascend = ours
+    base.CALLS.clear()
+    d.dummy_run(num_tokens=12, with_prefill=False, num_reqs=4, in_graph_capturing=True, is_profile=False)
+    d.dummy_run(9)  # positional, no request count: rows from tokens / (1 + K), at most the largest bucket
+    assert base.CALLS == [] and ours.inputs == [("dummy_run", 4), ("dummy_run", 3)]
+    assert d.ascend_stats.own_dummy_runs == 2
 
 
 class Request:
