@@ -41,6 +41,7 @@ from ascend_spec.graph.layers import RMSNorm
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.vocab_parallel import local_candidate, pick_candidate
 
+from .manifest import covers
 from .shims import CompatError, vocab_parallel_slice
 
 logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
@@ -136,6 +137,7 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
     attn.rope.sin_cached = cache[:, half:].to(device=device)
 
 
+@covers("amx_mla_absorb")
 def _absorbed_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig) -> None:
     """The absorbed products (``q_nope·W_UK``, ``o_lat·W_UV``) on the matrices vLLM's MLA layer built.
 

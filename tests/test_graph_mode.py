@@ -170,3 +170,27 @@ def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):
             assert (got_logits - logits).abs().max() < 1e-3, lengths
             assert (graph_cache - eager_cache).abs().max() < 1e-4, lengths
     assert dynamo_compile_count() == before
+
+
+def test_cuda_graph_replays_each_start_a_generation(monkeypatch):
+    """On CUDA every compiled call first marks a new CUDA graph tree generation, so each graph replays as a root:
+    a K = 0 step after K = 2 steps (adaptive K) replays what was recorded instead of recording a new path (on an
+    H100 the first run after warm-up recorded 3 graphs without it, none with it). Checked without a GPU on the
+    backend's own wrapper: torch.compile is replaced by the identity, the mark is counted."""
+    from ascend_spec.graph.backends.base import DynamicDims
+    from ascend_spec.graph.backends.inductor import InductorBackend
+
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    cuda = InductorBackend(torch.device("cuda"))
+    for dims in (None, DynamicDims(batch=(0,))):
+        marks.clear()
+        step = cuda.compile(lambda x: (x + 1,), "spec_k2_greedy", dims)
+        assert step.__name__ == "spec_k2_greedy"
+        step(torch.zeros(2))
+        step(torch.zeros(2))
+        assert len(marks) == 2
+    marks.clear()
+    InductorBackend(torch.device("cpu")).compile(lambda x: (x,), "cpu_step")(torch.zeros(2))
+    assert marks == []  # no CUDA graphs on CPU: nothing to mark

@@ -61,8 +61,8 @@ class InductorBackend:
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if dims is None:
-            return torch.compile(fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
-                                 options=self._options())
+            return self._new_generation_each_call(torch.compile(
+                fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False), options=self._options()), tag)
         compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=self._backend(tag, None),
                                  options=self._options())
 
@@ -70,6 +70,20 @@ class InductorBackend:
             # Any call may compile (a batch of one specialises its own graph): mark the dynamic dimensions of every
             # call's inputs (an attribute on each tensor; Dynamo reads it only when it compiles).
             mark_dims(args, dims)
+            return compiled(*args)
+
+        return self._new_generation_each_call(call, tag)
+
+    def _new_generation_each_call(self, compiled: GraphFn, tag: str) -> GraphFn:
+        """On CUDA every replay starts a new generation of the CUDA graph tree, so each graph is a root of its own:
+        the graph of one K after another K's (adaptive K, warm-up's order) replays what was recorded instead of
+        recording a new path. Callers keep no output of a replay past the next (``reuses_outputs``)."""
+        if self.mode is None:
+            compiled.__name__ = tag
+            return compiled
+
+        def call(*args: Any) -> Any:
+            torch.compiler.cudagraph_mark_step_begin()
             return compiled(*args)
 
         call.__name__ = tag
