@@ -98,7 +98,7 @@ def draft_wrong_slot() -> None:
 
     original = steps.slots_for
     # the defect: the draft chain's (and only its: other modules bound their own name) slots are one early
-    steps.slots_for = lambda positions, block_table: original(positions, block_table) - 1
+    steps.slots_for = lambda positions, block_table, block_size: original(positions, block_table, block_size) - 1
 
 
 def plant(name: str) -> None:
