@@ -57,3 +57,15 @@ def test_bench_request_lengths_are_equal_or_spread_the_same_way_for_every_conten
     spread = lengths_for(64, 128, 64)
     assert spread == lengths_for(64, 128, 64)  # a fixed draw: every contender serves the same budgets
     assert all(64 <= n <= 192 for n in spread) and len(set(spread)) > 16
+
+
+def test_bench_reports_adaptive_against_the_best_other_contender_per_batch():
+    versus = bench_module().adaptive_vs_best([
+        {"batch": 1, "contender": "no-spec", "tokens_per_s": 100.0}, {"batch": 1, "contender": "K=2",
+                                                                      "tokens_per_s": 150.0},
+        {"batch": 1, "contender": "adaptive", "tokens_per_s": 120.0},
+        {"batch": 8, "contender": "no-spec", "tokens_per_s": 400.0}, {"batch": 8, "contender": "K=2",
+                                                                      "tokens_per_s": 380.0},
+        {"batch": 8, "contender": "adaptive", "tokens_per_s": 404.0}])
+    assert [(v["batch"], v["best"]) for v in versus] == [(1, "K=2"), (8, "no-spec")]
+    assert [round(v["ratio"], 3) for v in versus] == [0.8, 1.01]
