@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="decode without speculation")
     g.add_argument("--disable-padded-drafter-batch", action="store_true", default=None)
-    g.add_argument("--backend", choices=["auto", "eager", "inductor", "torchair"], default=None)
+    g.add_argument("--backend", choices=["auto", "eager", "inductor", "torchair", "torchair-rehearsal"],
+                   default=None)
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
     k = g.add_mutually_exclusive_group()
     k.add_argument("--adaptive-k", dest="fixed_k", action="store_false",

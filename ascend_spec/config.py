@@ -16,7 +16,9 @@ from .graph.latent_cache import DEFAULT_BLOCK_SIZE, LAYOUTS
 
 SPEC_METHODS = ("deepseek_mtp", "mtp")
 GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
-BACKENDS = ("auto", "eager", "inductor", "torchair")
+#: torchair-rehearsal: torchair's shape policy (one graph per shape, each key held to its first shapes) run eagerly
+#: on any device, to see before an NPU does which graphs a deployment compiles and that none recompiles
+BACKENDS = ("auto", "eager", "inductor", "torchair", "torchair-rehearsal")
 #: the same as ``graph.backends.base.GRAPH_FAILURE_POLICIES`` (this module imports no torch)
 GRAPH_FAILURE_POLICIES = ("eager", "raise")
 #: see ``TorchairGraphConfig.prefill_query_widths``

@@ -7,7 +7,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
-from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV, ShapePolicy
+from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV
 from ascend_spec.graph.config import ModelConfig
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import save_model
@@ -95,36 +95,6 @@ def inductor_config(k: int) -> EngineConfig:
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
                         graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
-
-
-class OneShapePerKey:
-    """A CPU stand-in for torchair's GE graphs: its :class:`ShapePolicy` (one graph per bucket, full-width tables),
-    each compiled key accepting only the shapes it first ran with (caches included); the graph definitions run
-    eagerly with the reference attention kernel."""
-
-    name = "one-shape-per-key"
-    reuses_outputs = False
-    attention_kernel = "gather"
-    compile_regions = False
-    shapes = ShapePolicy(dynamic_batch=False, exact_batch=False, trim_context=False)
-
-    def __init__(self) -> None:
-        from ascend_spec.graph.backends.lint import GraphLint
-
-        self.graph_failure = "raise"
-        self.lint = GraphLint(strict=True)  # the Backend protocol's; nothing is traced here, so it finds nothing
-        self.recorded: dict[str, tuple] = {}
-        self.replays: dict[str, int] = {}
-
-    def compile(self, fn, tag: str, dims=None):
-        def graph(*args):
-            shapes = tuple(tuple(a.shape) for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
-            if self.recorded.setdefault(tag, shapes) != shapes:
-                raise AssertionError(f"{tag}: recorded with {self.recorded[tag]}, replayed with {shapes}")
-            self.replays[tag] = self.replays.get(tag, 0) + 1
-            return fn(*args)
-
-        return graph
 
 
 def generate_without_recompiles(engine, prompts, max_tokens):

@@ -1,25 +1,27 @@
 """Prefill and mixed batches on backends whose graphs replay one recorded shape (torchair's GE graphs, CUDA graphs).
 
-A CPU stand-in keeps torchair's shape policy (one graph per bucket, full-width tables) and holds every graph key to
-the shapes of its first call, as a GE graph or a CUDA graph capture would; it runs the graph definitions eagerly (the
-compiled kernels are tested on the backends themselves: ``npu`` / ``cuda`` tests). What it checks is ours: which
-key each call replays, that a query padded with inert tokens to a graph's width drafts what the unpadded reference
-drafts and writes the same cache, that warm-up made every key a run reaches, and that wider chunks run eagerly.
+The rehearsal backend (``torchair-rehearsal``) keeps torchair's shape policy (one graph per bucket, full-width
+tables) and holds every graph key to the shapes of its first call, as a GE graph or a CUDA graph capture would; it
+runs the graph definitions eagerly (the compiled kernels are tested on the backends themselves: ``npu`` / ``cuda``
+tests). What it checks is ours: which key each call replays, that a query padded with inert tokens to a graph's width
+drafts what the unpadded reference drafts and writes the same cache, that warm-up made every key a run reaches, and
+that wider chunks run eagerly.
 """
 import pytest
 import torch
 
 from ascend_spec.config import SpeculativeConfig
+from ascend_spec.graph.backends.rehearsal import RehearsalBackend
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph
 from ascend_spec.graph.weights import load_model
 from ascend_spec.proposer import MtpProposer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import OneShapePerKey, prefill_inputs
+from .conftest import prefill_inputs
 
 
 def test_query_pads_to_the_next_width_one_key_each():
-    backend = OneShapePerKey()
+    backend = RehearsalBackend("raise")
     calls = []
     graph = BucketedGraph(backend, lambda x, n: calls.append((x.clone(), n.clone())) or (x.sum(1), n), "toy",
                           [2, 4], [BatchArg("x", -1, query=True), BatchArg("n", 0)], query_widths=[3, 8, 32])
@@ -45,7 +47,7 @@ def test_prefill_chunks_replay_padded_graphs_and_draft_as_the_reference(trained_
     spec = SpeculativeConfig(num_speculative_tokens=k)
     eager_cache, graph_cache = torch.zeros(40, 16, 576), torch.zeros(40, 16, 576)
     eager = MtpProposer(model, spec, 128, eager_cache)
-    backend = OneShapePerKey()
+    backend = RehearsalBackend("raise")
     padded = MtpTorchairProposer(model, spec, 128, graph_cache, backend=backend, batch_sizes=[2, 4],
                                  prefill_widths=[8, 32])
     padded.warmup(progress=False)
@@ -68,3 +70,19 @@ def test_prefill_chunks_replay_padded_graphs_and_draft_as_the_reference(trained_
         assert replayed == ({key} if key else set()), (lengths, replayed)
         assert padded.graph_serves(len(lengths), width) == (key is not None)
     assert set(backend.recorded) == warmed  # nothing compiled after warm-up
+
+
+def test_rehearsal_holds_each_key_to_its_first_shapes():
+    """The rehearsal's one promise: a key called at other shapes (a table one column wider, another cache) raises,
+    naming the key and both shapes, as a GE graph would compile again; the same shapes replay."""
+    from ascend_spec.graph.backends.rehearsal import GraphShapeError
+
+    backend = RehearsalBackend("raise")
+    graph = backend.compile(lambda table, cache: (table.sum(),), "draft_bs4_q3")
+    graph(torch.zeros(4, 8), (torch.zeros(9, 16, 512), torch.zeros(9, 16, 64)))
+    graph(torch.ones(4, 8), (torch.zeros(9, 16, 512), torch.zeros(9, 16, 64)))
+    assert backend.replays == {"draft_bs4_q3": 2}
+    with pytest.raises(GraphShapeError, match=r"'draft_bs4_q3' was compiled for shapes .*\(4, 8\).*\(4, 9\)"):
+        graph(torch.zeros(4, 9), (torch.zeros(9, 16, 512), torch.zeros(9, 16, 64)))
+    with pytest.raises(GraphShapeError):
+        graph(torch.zeros(4, 8), torch.zeros(9, 16, 576))

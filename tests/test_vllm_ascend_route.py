@@ -19,12 +19,13 @@ import torch
 
 from ascend_spec.graph.backends import ShapePolicy
 from ascend_spec.graph.backends.lint import GraphLint
+from ascend_spec.graph.backends.rehearsal import RehearsalBackend
 
 from ascend_spec.compat import ascend, ascend_hook
 from ascend_spec.config import ConfigError
 
 from . import vllm_ascend_standin as standin
-from .conftest import OneShapePerKey, npu_available
+from .conftest import npu_available
 
 TAGS = standin.TAGS
 #: NPUModelRunner methods holding the guards our drafter must pass (the MTP path reaches all three)
@@ -258,8 +259,8 @@ class RecordingDraft:
         self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
                                            tokens_for=lambda b, q: (b + b % 2) * max(q, 8))  # even rows, q >= 8
         # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
-        self.backend = types.SimpleNamespace(lint=GraphLint(strict=True), shapes=ShapePolicy(dynamic_batch=False, exact_batch=False,
-                                                                trim_context=False))
+        self.backend = types.SimpleNamespace(lint=GraphLint(strict=True), shapes=ShapePolicy(
+            dynamic_batch=False, exact_batch=False, trim_context=False))
 
     @property
     def table_width(self) -> int:  # max_model_len 64 in blocks of the cache's size
@@ -393,7 +394,7 @@ def test_our_proposer_drafts_on_vllm_ascends_nope_rope_cache(release, trained_di
     from ascend_spec.graph.weights import load_model
     from ascend_spec.proposer import MtpProposer
 
-    backend = OneShapePerKey()
+    backend = RehearsalBackend("raise")
     monkeypatch.setattr(drafter, "get_backend", lambda *a, **kw: backend)
     model = load_model(trained_dir)
     cfg = model.cfg

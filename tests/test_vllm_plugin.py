@@ -80,6 +80,10 @@ CONFIGS = [
      "llm": {"max_num_seqs": 4}},
     {"name": "vllm_k2_preempt", "drafter": "vllm", "k": 2, **LONG},
     {"name": "ours_k2_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **LONG},
+    # torchair's shape policy rehearsed on this CPU: one graph per bucket and query width, each held to the shapes
+    # warm-up gave it (vLLM's cache, block size and table width): a second shape would raise under the strict policy
+    {"name": "ours_k2_rehearsal", "drafter": "ours", "k": 2, "graph": {**GRAPH, "backend": "torchair-rehearsal"},
+     **SHORT},
     # one graph bucket (1 request) for batches of up to 4: steady-state decode runs eagerly, with a warning
     {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
     # three compiled draft-graph calls raise after running (injected): under the users' policy those steps rerun
@@ -156,6 +160,19 @@ def test_plugin_drafts_with_our_proposer(runs):
     for name in ("vllm_k1", "vllm_k2", "vllm_k2_async"):
         (stats,) = ok(runs, name)["drafter"]
         assert stats["drafter"] == "vllm" and stats["graph_calls"] == 0, stats
+
+
+def test_torchair_shapes_inside_vllm_meet_no_shape_warm_up_did_not_make(runs):
+    """A whole vLLM run (prefills, decode, batches changing size) on torchair's shape policy: every draft replays a
+    graph warm-up made at the same shapes (the engine's table width in its block size, its cache), none raised;
+    tokens and acceptance as vLLM's own drafter."""
+    r = ok(runs, "ours_k2_rehearsal")
+    (stats,) = r["drafter"]
+    assert stats["backend"] == "torchair-rehearsal" and stats["buckets"] == [2, 4], stats
+    assert stats["graph_calls"] > 0 and stats["fallback_calls"] == 0 and stats["graph_failures"] == 0, stats
+    assert r["tokens"] == ok(runs, "none")["tokens"], first_divergence(ok(runs, "none"), r)
+    a, b = r["metrics"], ok(runs, "vllm_k2")["metrics"]
+    assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -135,6 +135,10 @@ def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autot
         from .inductor import InductorBackend
 
         backend = InductorBackend(device, input_guards_only=input_guards_only, graph_failure=policy)
+    elif resolved == "torchair-rehearsal":
+        from .rehearsal import RehearsalBackend
+
+        backend = RehearsalBackend(policy)
     elif resolved == "torchair":
         from .torchair import TorchairBackend, TorchairOptions
 
@@ -144,5 +148,6 @@ def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autot
                                                   use_cached_graph=use_cached_graph, distributed=distributed),
                                   graph_failure=policy)
     else:
-        raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair']")
+        raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair', "
+                         "'torchair-rehearsal']")
     return backend
