@@ -70,6 +70,21 @@ def test_compiled_pair_cache_of_block_64_replays_warm_graphs(trained_dir, prompt
     assert metrics.as_dict() == reference[1]
 
 
+def test_torchair_shapes_at_vllm_ascends_layout_compile_nothing_after_warm_up(trained_dir, prompts, reference):
+    """torchair's shape policy (rehearsed: one graph per bucket, each held to its first shapes) at vllm-ascend's
+    block 128 with the nope/rope pair: warm-up makes every key the run replays, at the run's shapes; the reference
+    tokens and counts."""
+    cfg = dataclasses.replace(_config(128, "pair"), graph=TorchairGraphConfig(backend="torchair-rehearsal",
+                                                                              graph_batch_sizes=(1, 2, 4)))
+    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    eng.warmup(progress=False)
+    warmed = dict(eng.backend.recorded)
+    out, stats, metrics = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert eng.backend.recorded == warmed and sum(eng.backend.replays.values()) > len(warmed)
+    assert [o.token_ids for o in out] == reference[0] and metrics.as_dict() == reference[1]
+    assert stats.graph_failures == 0 and stats.host_syncs == 0, stats.host_sync_events[:5]
+
+
 def test_cuda_marks_every_cache_tensor_static():
     """A pair cache is two tensors: CUDA graphs must see both at a static address (checked on the allocation
     path without a GPU: the tensors the engine would mark)."""
