@@ -1,6 +1,6 @@
 """The model runner: device batches, compiled graphs and their keys, warm-up, prefill and one decode step.
 
-One step (speculative, padded — DESIGN.md's data flow):
+One step (speculative, padded — docs/design.md's data flow):
 1. target forward of ``B`` requests × ``(1+K)`` tokens
 2. rejection sampler → ``sampled [B, K+1]`` with -1 placeholders
 3. ``prepare_next_token_ids_padded`` → next token and valid count per request

@@ -104,7 +104,7 @@ def test_gate_bias_stays_fp32_under_dtype_casts():
 
 # -- YaRN ---------------------------------------------------------------------------------------
 def test_deepseek_v3_softmax_scale():
-    """DESIGN.md's figure: 192^-0.5 × mscale(40, 1)² = 0.0722 × 1.874 = 0.1352."""
+    """docs/design.md's figure: 192^-0.5 × mscale(40, 1)² = 0.0722 × 1.874 = 0.1352."""
     cfg = dataclasses.replace(PRESETS["moe-e16-k4"], qk_nope_head_dim=128, qk_rope_head_dim=64,
                               rope_scaling=YarnScaling(40, 4096, mscale=1.0, mscale_all_dim=1.0))
     assert yarn_mscale(40, 1.0) == pytest.approx(1.3689, abs=1e-4)

@@ -1,7 +1,7 @@
 """Greedy speculative output equals greedy output without speculation, token for token (bundled checkpoint).
 
 When two greedy runs diverge, the failure message reports the no-spec run's top-2 logit gap at the first differing
-token: a gap near float rounding is numerics (DESIGN.md, "Exactness"), anything larger is a bug.
+token: a gap near float rounding is numerics (docs/design.md, "Exactness"), anything larger is a bug.
 """
 import pytest
 import torch
