@@ -27,7 +27,7 @@ import torch
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
 from ascend_spec.fused_step import time_call
-from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE
+from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE, cache_tensors
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import BUNDLED_MODEL_DIR
@@ -51,7 +51,8 @@ def step_inputs(eng: Engine, batch: int, context: int, width: int) -> tuple[list
     q = 1 + k
     g = torch.Generator().manual_seed(0)
     for cache in (*eng.caches.target, eng.caches.draft):
-        cache.normal_(generator=g)
+        for t in cache_tensors(cache):
+            t.normal_(generator=g)
     per_seq = live_blocks(context + 2 * k, eng.caches.max_blocks_per_seq, eng.caches.block_size, minimum=1)
     table = torch.zeros(batch, width, dtype=torch.long)
     for i in range(batch):
