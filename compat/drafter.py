@@ -214,6 +214,7 @@ class AscendSpecMtpMixin:
         stand_in = allocate_latent_cache(self._ascend_kv_layout, kv_cache_config.num_blocks, draft_block_size(self),
                                          cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                          self.vllm_config.model_config.dtype, self.device)
+        self._mark_static_on_cuda(stand_in)
         self._build_ascend(stand_in)
 
     def _build_ascend(self, cache: LatentCache) -> None:
@@ -260,13 +261,18 @@ class AscendSpecMtpMixin:
         if not same_shape(cache, self._ascend.draft_cache):
             logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
                            describe(cache), describe(self._ascend.draft_cache))
-        if torch.device(self.device).type == "cuda":
-            # vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy
-            # of their own (unmarked, the engine's own pool lost its writes under CUDA graphs).
-            for t in cache_tensors(cache):
-                torch._dynamo.mark_static_address(t)
+        self._mark_static_on_cuda(cache)
         self._ascend.draft_cache = cache
         self._ascend_cache_bound = True
+
+    def _mark_static_on_cuda(self, cache: LatentCache) -> None:
+        """vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy of
+        their own (unmarked, the engine's own pool lost its writes under CUDA graphs). The stand-in warm-up compiles
+        against is marked too, so the compiled graphs take a static cache; binding the real one re-records a CUDA
+        graph at most, it compiles nothing."""
+        if torch.device(self.device).type == "cuda":
+            for t in cache_tensors(cache):
+                torch._dynamo.mark_static_address(t)
 
     # -- bookkeeping -----------------------------------------------------------------------
     def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
