@@ -32,10 +32,6 @@ def block_size_of(cache: LatentCache) -> int:
     return int((cache if isinstance(cache, torch.Tensor) else cache[0]).shape[1])
 
 
-def num_blocks_of(cache: LatentCache) -> int:
-    return int((cache if isinstance(cache, torch.Tensor) else cache[0]).shape[0])
-
-
 def latent_parts(cache: LatentCache, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kv_c [N, block, C], kv_pe [N, block, R])``: the pair itself, or two views of a fused cache."""
     if isinstance(cache, torch.Tensor):
@@ -56,14 +52,6 @@ def allocate_latent_cache(layout: str, num_blocks: int, block_size: int, kv_lora
         return (torch.zeros(num_blocks, block_size, kv_lora_rank, dtype=dtype, device=device),
                 torch.zeros(num_blocks, block_size, rope_dim, dtype=dtype, device=device))
     raise ValueError(f"kv_layout={layout!r}; allowed: {list(LAYOUTS)}")
-
-
-def like(cache: LatentCache, num_blocks: int | None = None) -> LatentCache:
-    """An empty cache of ``cache``'s layout, block size and dtype (``num_blocks`` rows, default the same)."""
-    def one(t: torch.Tensor) -> torch.Tensor:
-        return t.new_empty(num_blocks if num_blocks is not None else t.shape[0], *t.shape[1:])
-
-    return one(cache) if isinstance(cache, torch.Tensor) else (one(cache[0]), one(cache[1]))
 
 
 def same_shape(a: LatentCache, b: LatentCache) -> bool:
