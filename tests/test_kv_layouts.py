@@ -1,13 +1,14 @@
 """Block size and KV layout are data: the serving engines' shapes (FlashMLA's block 64, vllm-ascend's block 128 with
 nope and rope caches apart) give the tokens and acceptance counts of the default (block 16, one 576-wide cache)."""
 import dataclasses
+import types
 
 import pytest
 import torch
 
 from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import dynamo_compile_count, load_engine
-from ascend_spec.graph.latent_cache import block_size_of, cache_tensors, layout_of
+from ascend_spec.graph.latent_cache import block_size_of, layout_of
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -85,15 +86,21 @@ def test_torchair_shapes_at_vllm_ascends_layout_compile_nothing_after_warm_up(tr
     assert stats.graph_failures == 0 and stats.host_syncs == 0, stats.host_sync_events[:5]
 
 
-def test_cuda_marks_every_cache_tensor_static():
-    """A pair cache is two tensors: CUDA graphs must see both at a static address (checked on the allocation
-    path without a GPU: the tensors the engine would mark)."""
+def test_cuda_marks_every_cache_tensor_static(monkeypatch):
+    """A pair cache is two tensors: the vLLM drafter marks both (and a fused cache's one) as static addresses for
+    CUDA graphs, the stand-in warm-up compiles against as the bound cache; nothing on CPU. Checked without a GPU:
+    the marking is recorded."""
+    from ascend_spec.compat.drafter import AscendSpecMtpMixin
     from ascend_spec.graph.latent_cache import allocate_latent_cache
 
+    marked = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t: marked.append(t))
     pair = allocate_latent_cache("pair", 4, 128, 512, 64, torch.float32, "cpu")
-    assert [t.shape for t in cache_tensors(pair)] == [(4, 128, 512), (4, 128, 64)]
     fused = allocate_latent_cache("fused", 4, 64, 512, 64, torch.float32, "cpu")
-    assert [t.shape for t in cache_tensors(fused)] == [(4, 64, 576)]
+    for device, cache, want in (("cuda", pair, pair), ("cuda", fused, (fused,)), ("cpu", pair, ())):
+        marked.clear()
+        AscendSpecMtpMixin._mark_static_on_cuda(types.SimpleNamespace(device=device), cache)
+        assert len(marked) == len(want) and all(a is b for a, b in zip(marked, want)), (device, marked)
 
 
 @pytest.mark.parametrize("key, value, allowed", [("block_size", 24, "multiple of 16"),
