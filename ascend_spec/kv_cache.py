@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .graph.config import ModelConfig
-from .graph.latent_cache import LatentCache, allocate_latent_cache, cache_tensors, num_blocks_for
+from .graph.latent_cache import (DEFAULT_BLOCK_SIZE, LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
+                                 num_blocks_for)
 
 NULL_BLOCK = 0  # never handed out: rows with slot -1 are redirected here (see graph.latent_cache.write_latent_cache)
 
@@ -81,11 +82,15 @@ class KVCaches:
     draft: LatentCache
     allocator: BlockAllocator
     max_blocks_per_seq: int
-    block_size: int
+
+    @property
+    def block_size(self) -> int:
+        return block_size_of(self.draft)
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, max_model_len: int, max_num_seqs: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32, num_blocks: int | None = None, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, num_blocks: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE,
                  layout: str = "fused") -> "KVCaches":
         """``num_blocks``: the pool, null block included; default room for ``max_num_seqs`` full-length
         sequences. It must hold one ``max_model_len`` sequence (preemption can always free enough for one)."""
@@ -110,4 +115,4 @@ class KVCaches:
             for cache in (*target, draft):
                 for t in cache_tensors(cache):
                     torch._dynamo.mark_static_address(t)
-        return cls(target, draft, BlockAllocator(num_blocks), per_seq, block_size)
+        return cls(target, draft, BlockAllocator(num_blocks), per_seq)

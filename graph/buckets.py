@@ -45,11 +45,8 @@ def note_graph_failure(failures: dict, key: object, what: str, exc: Exception, p
     if policy == "raise" or "torch.compile stance" in str(exc):
         raise exc
     n = failures[key] = failures.get(key, 0) + 1
-    if n == 1:
-        logger.warning("%s failed (%s: %s); this step runs eagerly (failure %d)", what, type(exc).__name__, exc, n,
-                       exc_info=exc)
-    else:
-        logger.debug("%s failed (%s: %s); this step runs eagerly (failure %d)", what, type(exc).__name__, exc, n)
+    (logger.warning if n == 1 else logger.debug)("%s failed (%s: %s); this step runs eagerly (failure %d)", what,
+                                                 type(exc).__name__, exc, n, exc_info=exc if n == 1 else None)
 
 
 def warm_widths(max_blocks: int, smallest: int = 3, step: int = 8) -> list[int]:
