@@ -84,6 +84,20 @@ LEARN_DRAFTS = 128
 WARMUP_COST_CONTEXT = 64
 
 
+#: what speculating costs a bucket of several rows that no step's time shows, as a share of its tokens/s: its rows
+#: finish apart, so the queue's last requests drain unevenly, the next ones are prefilled one by one rather than as
+#: a batch, and rows of different lengths pad each other's attention. Plain decoding of requests admitted together
+#: pays none of it. Bundled model, equal lengths, batch 8-16 on the 2-core CPU: fixed K ran at 0.85-0.90 of what
+#: its step costs and acceptance allowed (docs/performance.md); with mixed lengths, where plain decoding's rows
+#: finish apart too, every K paid 1.12-1.20x. A lone request has no rows to finish apart
+ROWS_APART_COST = 0.06
+
+
+def rows_apart_cost(bucket: int) -> float:
+    """Share of a drafting K's expected tokens/s that rows finishing apart cost a bucket of ``bucket`` rows."""
+    return ROWS_APART_COST if bucket > 1 else 0.0
+
+
 def stop_margin(bucket: int) -> float:
     """How much more per second K = 0 must yield than the drafting K running in ``bucket`` to take over."""
     return max(SWITCH_MARGIN, STOP_MARGIN / bucket)
@@ -105,20 +119,21 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
     return total
 
 
-def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int) -> float:
-    return expected_tokens_per_step(acceptance, k) / step_seconds[k]
+def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int, bucket: int = 1) -> float:
+    """Expected tokens per second of a step at K = ``k``, a drafting K's less what rows finishing apart cost."""
+    rate = expected_tokens_per_step(acceptance, k) / step_seconds[k]
+    return rate * (1 - rows_apart_cost(bucket)) if k else rate
 
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
              bucket: int = 1) -> int:
-    """The K with the most expected tokens per second; ties go to the smaller K (cheaper when acceptance drifts).
-    With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and K = 0 must beat a
-    drafting K by ``stop_margin(bucket)``."""
-    best = max(sorted(step_seconds), key=lambda k: (tokens_per_second(step_seconds, acceptance, k), -k))
+    """The K with the most expected tokens per second in ``bucket``; ties go to the smaller K (cheaper when
+    acceptance drifts). With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and
+    K = 0 must beat a drafting K by ``stop_margin(bucket)``."""
+    rate = {k: tokens_per_second(step_seconds, acceptance, k, bucket) for k in step_seconds}
+    best = max(sorted(rate), key=lambda k: (rate[k], -k))
     margin = stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN
-    if current in step_seconds and current != best and (
-            tokens_per_second(step_seconds, acceptance, best)
-            < (1 + margin) * tokens_per_second(step_seconds, acceptance, current)):
+    if current in rate and current != best and rate[best] < (1 + margin) * rate[current]:
         return current
     return best
 

@@ -194,7 +194,10 @@ class Engine:
                     stats.generated_tokens += 1
                     sched.append(seq, token)
                     sched.admitted(seq)
-            room = sched.make_room()
+            if not sched.running:
+                continue
+            plan = self.runner.plan(sched.running)  # the step's K first: the room it needs follows from it
+            room = sched.make_room(plan.k)
             for victim in room.preempted:
                 self.runner.forget(victim)
             stats.preemptions += len(room.preempted)
@@ -202,7 +205,7 @@ class Engine:
                 self.runner.blocks_grown(sched.running)
             if not sched.running:
                 continue
-            out = self.runner.step(sched.running, generator, stats)
+            out = self.runner.step(sched.running, generator, stats, plan)
             for seq in self._take(sched, out, stats, metrics):
                 sched.finish(seq)
         stats.decode_seconds = time.perf_counter() - start

@@ -100,6 +100,16 @@ class StepOutput:
     drafts: list[list[int]] | None = None
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next step runs: K (asked of the K policy once per step, before the scheduler makes cache room
+    for it) for the batch bucket it was asked for; ``fused``: the one-graph step applies."""
+
+    k: int
+    bucket: int
+    fused: bool
+
+
 @dataclass
 class WarmupReport:
     graphs_compiled: int = 0
@@ -436,9 +446,20 @@ class ModelRunner:
         return self.proposer.propose_reference(inputs)
 
     # -- decode -------------------------------------------------------------------------------------
-    def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
-        if self.fused_applies(running):
-            return self._step_fused(running, generator, stats)
+    def plan(self, running: list[Sequence]) -> StepPlan:
+        """The next step's K and bucket; the step-by-step path always drafts K_max."""
+        bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
+        if not self.fused_applies(running):
+            return StepPlan(self.k, bucket, fused=False)
+        return StepPlan(self._k_for(bucket), bucket, fused=True)
+
+    def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
+             plan: StepPlan | None = None) -> StepOutput:
+        """One decode step over ``running`` as ``plan`` (from :meth:`plan` before the scheduler made room for
+        it; planned now when None). Preemption while making room may have shrunk the batch since."""
+        plan = plan or self.plan(running)
+        if plan.fused and self.fused_applies(running):
+            return self._step_fused(running, generator, stats, plan)
         self._drafts_to_host()
         self._last_step_end = None
         return self._step_by_step(running, generator, stats)
@@ -611,13 +632,15 @@ class ModelRunner:
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
                      self.caches.target, self.caches.draft)
 
-    def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
+    def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
+                    plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         b = len(running)
         fitted = self.bucket_for(b)
-        full = fitted == b  # the live rows fill their bucket
-        bucket = fitted or self.batch_sizes[-1]
-        k = self._k_for(bucket)
+        # a preemption since the plan may have moved the batch to another bucket: its K was not asked for this one
+        planned = fitted == plan.bucket
+        full = planned and fitted == b  # the live rows fill their bucket
+        bucket, k = plan.bucket, plan.k
         mode = GREEDY if all(s.params.is_greedy for s in running) else RANDOM
         want_lp = any(s.params.logprobs is not None for s in running)
         ids = tuple(s.req_id for s in running)
@@ -633,6 +656,7 @@ class ModelRunner:
             if k and self._undrafted:
                 self._catch_up(batch, running)
             if switched:
+                stats.k_switches += 1
                 between = None  # what ran before a switch belongs to the K that ran then
                 # A change of K pays a rebuild (and, out of K = 0, the MTP catch-up): a cost of switching, which
                 # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
@@ -686,8 +710,7 @@ class ModelRunner:
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         end = self._last_step_end = time.perf_counter()
         stats.host_seconds += (t1 - t0) + (end - t2)
-        if self.cfg.adaptive_k and self.force_k is None and (
-                full or not self.shapes.dynamic_batch):
+        if self.cfg.adaptive_k and self.force_k is None and (full or planned and not self.shapes.dynamic_batch):
             # What this K costs: the step itself, graph and host (a rebuild for new requests included, not one for
             # a new K), and apart from it what ran since the step before. Dynamic-batch backends count only a full
             # bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would drag

@@ -108,10 +108,11 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
-    def step_tokens(self, seq: Sequence) -> int:
-        """Cache room one step needs: verify positions up to ``start + K``, chained draft positions up to
-        ``start + 2K - 1`` (``start = num_tokens - 1``)."""
-        return seq.num_tokens - 1 + max(1 + self.k, 2 * self.k)
+    def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
+        """Cache room one step at K = ``k`` (default K_max) needs: verify positions up to ``start + K``, chained
+        draft positions up to ``start + 2K - 1`` (``start = num_tokens - 1``)."""
+        k = self.k if k is None else k
+        return seq.num_tokens - 1 + max(1 + k, 2 * k)
 
     def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:
         """The next waiting request to prefill, if the batch has room (``pending``: requests taken for this
@@ -140,14 +141,16 @@ class Scheduler:
         else:
             self.running.append(seq)
 
-    def make_room(self) -> ScheduleResult:
-        """Blocks for every running sequence's next step; while the pool is short, preempt the newest request
-        (its blocks go back; it waits at the head of the queue and is recomputed, as in vLLM)."""
+    def make_room(self, k: int | None = None) -> ScheduleResult:
+        """Blocks for every running sequence's next step at K = ``k`` (default K_max: a step at K = 0 reserves no
+        draft room, so plain decoding keeps its batch where drafting would preempt); while the pool is short,
+        preempt the newest request (its blocks go back; it waits at the head of the queue and is recomputed, as in
+        vLLM)."""
         result = ScheduleResult()
         running, i = self.running, 0
         while i < len(running):
             held = len(running[i].blocks)
-            if self.blocks.ensure_capacity(running[i].blocks, self.step_tokens(running[i])):
+            if self.blocks.ensure_capacity(running[i].blocks, self.step_tokens(running[i], k)):
                 result.grown |= len(running[i].blocks) > held
                 i += 1
                 continue

@@ -7,6 +7,7 @@ import torch
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
+                                  ROWS_APART_COST, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN,
                                   SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step, explore_every,
                                   speedup_limit, stop_margin)
@@ -214,9 +215,24 @@ def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
     assert at[1] > at[0] and at[1] < (1 + SWITCH_MARGIN) * at[0]  # K = 1 better, but by less than the margin
     policy = AdaptiveK(2, step_seconds={8: dict(costs)}, chosen={8: 0})
     assert policy.k_for(8, [0.62, 0.5]) == 0  # K = 1 is better, but not by the margin: K = 0 keeps running
-    assert AdaptiveK(2, step_seconds={8: dict(costs)}).k_for(8, [0.62, 0.5]) == 2  # K_max, the first incumbent
+    assert AdaptiveK(2, step_seconds={1: dict(costs)}).k_for(1, [0.62, 0.5]) == 2  # K_max, the first incumbent
     assert choose_k(costs, [0.62, 0.5]) == 1  # with no incumbent the best K wins outright
     assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
+
+
+def test_rows_finishing_apart_cost_a_drafting_k_of_several_rows():
+    """A drafting K's rows finish apart (uneven drain, prefills one by one, padded attention), which no step's
+    time shows: in a bucket of several rows its expected tokens/s is discounted by ROWS_APART_COST, and a K
+    expected to gain less than that over plain decoding does not run. A lone request pays none of it."""
+    costs, acceptance = {0: 1.0, 1: 1.55}, [0.62]  # K = 1: 1.62 tokens for 1.55, 4.5% over K = 0
+    assert 1 < expected_tokens_per_step(acceptance, 1) / costs[1] < 1 / (1 - ROWS_APART_COST)
+    assert rows_apart_cost(1) == 0 and rows_apart_cost(2) == rows_apart_cost(16) == ROWS_APART_COST
+    assert tokens_per_second(costs, acceptance, 1, bucket=8) == pytest.approx(
+        (1 - ROWS_APART_COST) * tokens_per_second(costs, acceptance, 1))
+    assert tokens_per_second(costs, acceptance, 0, bucket=8) == tokens_per_second(costs, acceptance, 0)
+    assert choose_k(costs, acceptance, bucket=1) == 1
+    assert choose_k(costs, acceptance, bucket=8) == 0
+    assert choose_k(costs, [0.9], bucket=8) == 1  # 1.9 tokens for 1.55: drafting pays past the allowance
 
 
 def test_adaptive_k_stops_speculating_only_for_the_larger_margin():

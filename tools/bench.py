@@ -82,6 +82,7 @@ class Tally:
     host: float = 0.0
     prefill: float = 0.0
     rebuilds: int = 0
+    k_switches: int = 0
     keys_read: int = 0
     keys_live: int = 0
     steps_per_k: dict[int, int] = field(default_factory=dict)
@@ -99,6 +100,7 @@ class Tally:
         self.host += stats.host_seconds
         self.prefill += stats.prefill_seconds
         self.rebuilds += stats.batch_rebuilds
+        self.k_switches += stats.k_switches
         self.keys_read += stats.attention_keys_read
         self.keys_live += stats.attention_keys_live
         for k, n in stats.steps_per_k.items():
@@ -313,6 +315,7 @@ def main() -> None:
             row = {"batch": b, "contender": name, "tokens_per_s": rate, "speedup": speedup if sound else None,
                    "tokens_per_request_step": last.tokens_per_request_step,
                    "acceptance_per_position": last.acceptance(), "steps_per_k": last.steps_per_k,
+                   "k_switches": last.k_switches,
                    "same_tokens_as_no_spec": last.outputs == base[-1].outputs,
                    "baseline_ms_per_step": base_step, "one_token_graph_ms": one_token, "baseline_sound": sound}
             if k:  # the limit these step costs and this acceptance allow
@@ -423,6 +426,8 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
              "(steps) | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         steps = ", ".join(f"{k}: {n}" for k, n in sorted(r["steps_per_k"].items()))
+        if r["k_switches"]:
+            steps += f" ({r['k_switches']} switches)"
         lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup'])} | "
                      f"{r['tokens_per_request_step']:.2f} | {fmt(r.get('limit'))} | {fmt(r.get('efficiency'))} | "
                      f"{steps} | {r['same_tokens_as_no_spec']} |")
