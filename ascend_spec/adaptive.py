@@ -32,6 +32,13 @@ incumbent instead was tried: at batch 1 a request's first drafts, accepted less 
 then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
 plain decoding where K = 3 ran 1.27x).
 
+Speculating rows finish apart, and that costs a bucket of several rows more than its steps show: the queue's last
+requests drain unevenly, the next ones are prefilled one by one, and rows of different lengths pad each other's
+attention; plain decoding of requests admitted together pays none of it. A drafting K's expected tokens per second
+is discounted by ``rows_apart_cost(bucket)`` (nothing for a lone request), so a K expected to gain less than that
+over plain decoding does not run. Plain decoding is also spared the drafts' room in the cache: the runner plans a
+step's K before the scheduler makes room for it, and a K = 0 step reserves no look-ahead.
+
 K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
 ``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
 many rows); acceptance is a recent window (``scheduler.ACCEPTANCE_WINDOW``), so a few poor first requests do
