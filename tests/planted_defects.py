@@ -15,9 +15,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_graph_mode.py::test_end_to_end_greedy_identical_across_backends``); under ``graph_failure: eager`` the
   tokens stay right and only the failure counters tell.
 - ``host_read_in_unpadded_draft``: the unpadded drafter layout (``spec_decode.compact_rejected``) reads each row's
-  sample index on the host. Fails ``test_fused_step.py::test_unpadded_drafter_batch_on_device`` (the host-sync
-  counter) and ``test_fused_step.py::test_unpadded_drafter_batch_replays_warm_graphs`` (the graph lint refuses the
-  fused graph; step by step, the counter).
+  sample index on the host. Fails ``test_fused_step.py::test_unpadded_drafter_batch_on_device``, fused and step by
+  step (the host-sync counter).
 - ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
   ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
 """
