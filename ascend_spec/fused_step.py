@@ -67,7 +67,9 @@ PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,)),
 
 
 def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
-                     logprobs: bool = False) -> SpecPhases:
+                     logprobs: bool = False, unpadded: bool = False) -> SpecPhases:
+    """``unpadded``: the draft reads the unpadded drafter layout (``disable_padded_drafter_batch``), each row's
+    rejected tokens dropped (``spec_decode.compact_rejected``), at the same shapes."""
     if mode not in (GREEDY, RANDOM):
         raise ValueError(f"mode={mode!r}; allowed: {[GREEDY, RANDOM]}")
     target = make_target_step(model)
@@ -111,6 +113,9 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
         qsl = torch.arange(b + 1, device=input_ids.device) * q
         token_indices, _ = spec_decode.prepare_inputs_padded(qsl, nd, valid)
         sample_idx = token_indices - qsl[:-1]
+        if unpadded:
+            input_ids, pos, hidden, slots, seq_lens = spec_decode.compact_rejected(input_ids, pos, hidden, slots,
+                                                                                    seq_lens, sample_idx)
         draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
         drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
         return valid, torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1), start + valid.long()
@@ -119,7 +124,7 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
 
 
 def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
-                   logprobs: bool = False, keep_hidden: bool = False) -> SpecStep:
+                   logprobs: bool = False, keep_hidden: bool = False, unpadded: bool = False) -> SpecStep:
     """The fused step for ``K = k`` drafts per request (``k = 0``: decode without speculation).
 
     Inputs (``B`` rows, pad rows have ``live`` False and write nothing):
@@ -131,9 +136,10 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
     ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``;
     with ``keep_hidden`` a ``k = 0`` step returns last the target's hidden states ``[B, D]``: it runs no MTP layer,
-    and a drafter that resumes writes the MTP cache entries of these positions from them.
+    and a drafter that resumes writes the MTP cache entries of these positions from them. ``unpadded``: see
+    :func:`make_spec_phases`.
     """
-    phases = make_spec_phases(model, k, max_model_len, mode, logprobs)
+    phases = make_spec_phases(model, k, max_model_len, mode, logprobs, unpadded)
     keep = keep_hidden and k == 0
 
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
@@ -170,12 +176,14 @@ class SpecStepGraphs:
     """Compiled fused steps, one per :class:`StepKey`, built on first use (warm-up builds the ones it is told)."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, backend: Backend, max_model_len: int,
-                 keep_hidden: bool = False) -> None:
+                 keep_hidden: bool = False, unpadded: bool = False) -> None:
         self.model = model
         self.backend = backend
         self.max_model_len = max_model_len
         #: K = 0 steps also return the target's hidden states (an engine that drafts at other K)
         self.keep_hidden = keep_hidden
+        #: the drafts read the unpadded drafter layout (``disable_padded_drafter_batch``)
+        self.unpadded = unpadded
         self._fns: dict[tuple[int, str, bool], SpecStep] = {}
         self._graphs: dict[StepKey, SpecStep] = {}
         #: failures per key (``graph_failure: eager``); each such step reran on the eager definition (same outputs,
@@ -192,7 +200,7 @@ class SpecStepGraphs:
         fn = self._fns.get((key.k, key.mode, key.logprobs))
         if fn is None:
             fn = self._fns[(key.k, key.mode, key.logprobs)] = make_spec_step(
-                self.model, key.k, self.max_model_len, key.mode, key.logprobs, self.keep_hidden)
+                self.model, key.k, self.max_model_len, key.mode, key.logprobs, self.keep_hidden, self.unpadded)
         return fn
 
     def get(self, key: StepKey) -> SpecStep:

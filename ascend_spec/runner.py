@@ -7,9 +7,11 @@ One step (speculative, padded — docs/design.md's data flow):
 4. ``prepare_inputs_padded`` → last accepted index per request (no compaction)
 5-6. the proposer drafts K tokens for the next step
 The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_step`); the step-by-step path
-(``fused_step=False``, and vLLM's unpadded drafter layout) runs the target graph, sampling and the draft graph
-as separate calls. Either way 1-6 run without host syncs; afterwards one transfer brings the step's tokens to
-the host. The runner returns tokens; appending them and finishing requests is the scheduler's business.
+(``fused_step=False``) runs the target graph, sampling and the draft graph as separate calls. vLLM's unpadded
+drafter layout (``disable_padded_drafter_batch``) is a variant of step 4 on either path: each row's rejected
+tokens made inert on device (``spec_decode.compact_rejected``) at the same width, so the same graph shapes replay.
+Either way 1-6 run without host syncs; afterwards one transfer brings the step's tokens to the host. The runner
+returns tokens; appending them and finishing requests is the scheduler's business.
 
 Graph keys: (K, sampling mode, logprobs) — the batch bucket too only where the backend compiles per shape.
 The block table is data; on CPU it is trimmed to the live blocks of the batch's longest request, so a step
@@ -173,7 +175,8 @@ class ModelRunner:
                                                 backend=self.backend, batch_sizes=self.batch_sizes,
                                                 prefill_widths=cfg.graph.prefill_query_widths)
         self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len,
-                                          keep_hidden=self.proposer is not None)
+                                          keep_hidden=self.proposer is not None,
+                                          unpadded=bool(self.spec and self.spec.disable_padded_drafter_batch))
         #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
         self.adaptive = AdaptiveK(self.k)
         #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
@@ -223,7 +226,6 @@ class ModelRunner:
 
     def fused_applies(self, running: list[Sequence]) -> bool:
         return (self.cfg.fused_step and self.target_graph.bucket_for(len(running)) is not None
-                and not (self.spec is not None and self.spec.disable_padded_drafter_batch)
                 and all((s.params.logprobs or 0) <= MAX_LOGPROBS for s in running))
 
     # -- warm-up ----------------------------------------------------------------------------------
@@ -604,7 +606,8 @@ class ModelRunner:
             batch.num_draft_host[i] = batch.k
 
     def _drafts_to_host(self) -> None:
-        """Leaving the fused path (e.g. the unpadded drafter): the step-by-step path reads drafts from the host."""
+        """Leaving the fused path (a batch above the buckets, more logprobs than a graph returns): the step-by-step
+        path reads drafts from the host."""
         if self._batch is None:
             return
         batch, self._batch = self._batch, None
@@ -788,27 +791,10 @@ class ModelRunner:
         assert self.proposer is not None and self.spec is not None
         b, q = input_ids.shape
         qsl = torch.arange(b + 1, device=input_ids.device) * q
-        if not self.spec.disable_padded_drafter_batch:
-            token_indices, _ = self.proposer.prepare_inputs_padded(qsl, num_draft, valid)
-            sample_idx = token_indices - qsl[:-1]
-            return self.proposer.propose(DraftInputs(input_ids, positions, hidden, slots, next_ids, sample_idx,
-                                                     table, seq_lens))
-        # Unpadded path (disable_padded_drafter_batch): drop rejected tokens on the host, as vLLM does,
-        # then draft from the compacted spans re-packed as [B, max_len] with inert padding.
-        num_rejected = torch.where(num_draft > 0, num_draft + 1 - valid, torch.zeros_like(valid)).cpu()
-        new_qsl, token_indices = self.proposer.prepare_inputs(qsl.cpu(), num_rejected)
-        lens = (new_qsl[1:] - new_qsl[:-1]).tolist()
-        width = max(lens)
-        flat = [t.reshape(b * q, *t.shape[2:]) for t in (input_ids, positions, hidden, slots)]
-        rows: list[list[torch.Tensor]] = [[], [], [], []]
-        for i, n in enumerate(lens):
-            idx = token_indices[new_qsl[i]: new_qsl[i] + n].to(input_ids.device)
-            for r, (src, pad) in enumerate(zip(flat, (0, 0, 0.0, -1))):
-                piece = src.index_select(0, idx)
-                filler = torch.full((width - n, *src.shape[1:]), pad, dtype=src.dtype, device=src.device)
-                rows[r].append(torch.cat([piece, filler]))
-        ids_c, pos_c, hid_c, slots_c = (torch.stack(r) for r in rows)
-        sample_idx = torch.tensor([n - 1 for n in lens], dtype=torch.long, device=input_ids.device)
-        seq_lens_c = positions.gather(1, sample_idx.view(-1, 1)).view(-1) + 1
-        return self.proposer.propose(DraftInputs(ids_c, pos_c, hid_c, slots_c, next_ids, sample_idx, table,
-                                                 seq_lens_c))
+        token_indices, _ = self.proposer.prepare_inputs_padded(qsl, num_draft, valid)
+        sample_idx = token_indices - qsl[:-1]
+        if self.spec.disable_padded_drafter_batch:  # rejected tokens dropped, on device at the same width
+            input_ids, positions, hidden, slots, seq_lens = spec_decode.compact_rejected(
+                input_ids, positions, hidden, slots, seq_lens, sample_idx)
+        return self.proposer.propose(DraftInputs(input_ids, positions, hidden, slots, next_ids, sample_idx, table,
+                                                 seq_lens))

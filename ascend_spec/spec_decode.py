@@ -1,9 +1,10 @@
 """Speculative-decoding math on plain tensors: rejection sampling and the draft-input bookkeeping.
 
 Semantics follow vLLM's (``RejectionSampler``, ``prepare_next_token_ids_padded``, ``prepare_inputs_padded``,
-``prepare_inputs``), but as pure functions: every function returns new tensors and never writes into its inputs
-(vLLM's async-scheduling acceptance collapses came from metadata mutated in place). The padded functions and
-``rejection_sample`` do no host syncs, so they can run inside a captured graph.
+``prepare_inputs``, which ``compact_rejected`` does on device), but as pure functions: every function returns new
+tensors and never writes into its inputs (vLLM's async-scheduling acceptance collapses came from metadata mutated
+in place). The padded functions, ``compact_rejected`` and ``rejection_sample`` do no host syncs, so they can run
+inside a captured graph.
 
 Shapes: ``B`` requests, ``K`` = max draft tokens per request, ``V`` = vocabulary size. Sampled/draft outputs use
 ``-1`` as the placeholder for "no token".
@@ -96,6 +97,27 @@ def prepare_inputs(
     shift = torch.repeat_interleave(qsl[:-1] - new_qsl[:-1], new_lens, output_size=total)
     token_indices = torch.arange(total, dtype=qsl.dtype, device=qsl.device) + shift
     return new_qsl, token_indices
+
+
+def compact_rejected(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                     slot_mapping: torch.Tensor, seq_lens: torch.Tensor, token_indices_to_sample: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+    """Unpadded drafter layout (``prepare_inputs``: rejected tokens dropped) at the verify width ``[B, Q]``, on device.
+
+    A row's rejected tokens are the tail after its last accepted one, so each compacted span is the row's first
+    ``token_indices_to_sample + 1`` tokens in place: the tail turns inert (token 0, position 0, hidden 0, slot -1:
+    nothing is written for a rejected token) and the row's context ends at its sampled position. The width stays
+    ``Q``, so a draft graph warmed for the padded layout replays it. Pad rows (``seq_lens`` 0) stay pad rows.
+    Returns ``(input_ids, positions, hidden, slot_mapping, seq_lens)``, new tensors.
+    """
+    sample = token_indices_to_sample.long().view(-1, 1)
+    kept = torch.arange(input_ids.shape[1], device=input_ids.device).view(1, -1) <= sample
+    sampled_pos = positions.gather(1, sample).view(-1)
+    return (torch.where(kept, input_ids, torch.zeros_like(input_ids)),
+            torch.where(kept, positions, torch.zeros_like(positions)),
+            torch.where(kept.unsqueeze(-1), hidden, torch.zeros_like(hidden)),
+            torch.where(kept, slot_mapping, torch.full_like(slot_mapping, -1)),
+            torch.where(seq_lens > 0, sampled_pos.to(seq_lens.dtype) + 1, torch.zeros_like(seq_lens)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -293,9 +293,9 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
         return None
 
     def _draft_context(self, f: Any, k: int) -> Any:
-        # sized as the draft runs: graph rows × query width (1 + K, or a prefill chunk padded to a graph's width)
+        # sized as the draft runs: graph rows × query width (at least 1 + K, a prefill chunk padded to a graph's width)
         return forward_context(self._ascend_context_fn(), self.vllm_config,
-                               self._ascend.graph.tokens_for(f.num_reqs, f.max_query_len))
+                               self._ascend.graph.tokens_for(f.num_reqs, max(f.max_query_len, 1 + k)))
 
     def _warmup_context(self, num_tokens: int) -> Any:
         return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens)

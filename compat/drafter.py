@@ -14,8 +14,9 @@ sizes and allocates the draft KV cache), schedules, samples the target and verif
     and slot mapping (the draft layer shares the target's KV cache group);
   * translates ``propose``'s flat inputs (``[T]`` tokens, ``[T, D]`` hidden states, ``query_start_loc``)
     into ``DraftInputs [B, Q]``: a reshape when every request verifies ``1 + K`` tokens (no host syncs;
-    the compiled bucket graph), else a ragged-to-padded repack from the host ``query_start_loc`` (a graph
-    too, up to the widest ``prefill_query_widths``: the query pads to a graph's width);
+    the compiled bucket graph), else a ragged-to-padded repack on device, at least ``1 + K`` wide (a graph too,
+    up to the widest ``prefill_query_widths``: the query pads to a graph's width; vLLM's unpadded decode batch,
+    its rejected tokens compacted away, replays the decode width);
   * computes the next tokens itself (``prepare_next_token_ids_padded``) with the backup token at
     ``num_tokens_no_spec - 1``, and builds fresh tensors: vLLM's metadata and host buffers are only read.
 Whatever it cannot draft (dynamic K, probabilistic draft sampling) goes to vLLM's ``propose``, which
@@ -400,20 +401,20 @@ class AscendSpecMtpMixin:
             else:
                 self.ascend_stats.graph_calls += 1
         else:
-            # Prefill or mixed: repack ragged -> [B, Qmax] with inert padding (slot -1, token 0).
-            qsl_cpu = f.query_start_loc_cpu[: b + 1].long()
-            lens = qsl_cpu[1:] - qsl_cpu[:-1]
-            qmax = int(lens.max())
-            j = torch.arange(qmax)
-            valid_cpu = j.view(1, -1) < lens.view(-1, 1)
-            gather = torch.where(valid_cpu, qsl_cpu[:-1].view(-1, 1) + j.view(1, -1), 0).to(dev)
-            valid = valid_cpu.to(dev)
+            # Prefill, mixed, or vLLM's unpadded decode (rejected tokens compacted away: spans of at most 1 + K):
+            # repack ragged -> [B, W] with inert padding (slot -1, token 0) on device, W at least 1 + K so that an
+            # unpadded decode batch replays the decode graph's width (no host read, no new shape).
+            width = max(f.max_query_len, q)
+            j = torch.arange(width, device=qsl.device).view(1, -1)
+            valid = j < (qsl[1:] - qsl[:-1]).view(-1, 1)
+            gather = torch.where(valid, qsl[:-1].view(-1, 1) + j, 0).to(dev)
+            valid = valid.to(dev)
             ids = torch.where(valid, target_token_ids[gather].long(), 0)
             pos = torch.where(valid, target_positions[gather].long(), 0)
             hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
             slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
-            sample_idx = (tis - qsl[:-1]).clamp(0, qmax - 1)
-            if self._ascend.graph_serves(b, qmax):
+            sample_idx = (tis - qsl[:-1]).clamp(0, width - 1)
+            if self._ascend.graph_serves(b, width):
                 self.ascend_stats.graph_calls += 1
             else:
                 self.ascend_stats.eager_calls += 1

@@ -14,6 +14,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   running graphs under the suite's strict policy (``test_fused_step.py::test_fused_equals_step_by_step``,
   ``test_graph_mode.py::test_end_to_end_greedy_identical_across_backends``); under ``graph_failure: eager`` the
   tokens stay right and only the failure counters tell.
+- ``host_read_in_unpadded_draft``: the unpadded drafter layout (``spec_decode.compact_rejected``) reads each row's
+  sample index on the host. Fails ``test_fused_step.py::test_unpadded_drafter_batch_on_device``, fused and step by
+  step (the host-sync counter).
 - ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
   ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
 """
@@ -90,6 +93,20 @@ def graph_raises() -> None:
     get, pick = SpecStepGraphs.get, BucketedGraph._graph
     SpecStepGraphs.get = lambda self, key: failing(get(self, key))
     BucketedGraph._graph = lambda self, rows, query: failing(pick(self, rows, query))
+
+
+@_plant
+def host_read_in_unpadded_draft() -> None:
+    from ascend_spec import spec_decode
+
+    original = spec_decode.compact_rejected
+
+    def compact_rejected(input_ids, positions, hidden, slot_mapping, seq_lens, token_indices_to_sample):
+        lens = (token_indices_to_sample + 1).tolist()  # the defect: the compacted lengths read on the host
+        sample = torch.tensor([n - 1 for n in lens], device=token_indices_to_sample.device)
+        return original(input_ids, positions, hidden, slot_mapping, seq_lens, sample)
+
+    spec_decode.compact_rejected = compact_rejected
 
 
 @_plant

@@ -25,8 +25,8 @@ MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingPa
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
 
 
-def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128):
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128, padded: bool = True):
+    spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded) if k else None
     return load_engine(model_dir, EngineConfig(max_model_len=max_model_len, max_num_seqs=4, speculative=spec,
                                                graph=TorchairGraphConfig(enabled=False, backend="eager",
                                                                          graph_batch_sizes=(1, 2, 4)),
@@ -56,6 +56,21 @@ def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
     # tokens, the valid counts and, speculating, the next drafts
     assert stats.host_transfers == stats.num_steps, stats.host_transfer_events[:5]
     assert ref_stats.host_transfers == (3 if k else 2) * ref_stats.num_steps, ref_stats.host_transfer_events[:5]
+
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
+def test_unpadded_drafter_batch_on_device(trained_dir, prompts, fused):
+    """disable_padded_drafter_batch: rejected tokens dropped on device, on the fused path as on the step-by-step
+    one: the padded engine's tokens and acceptance counts (the drafts see the same context), no host sync, and the
+    step's transfers only (one a fused step)."""
+    ref, ref_stats, ref_m = _engine(trained_dir, 2, fused=True).generate(prompts, SamplingParams(), MAX_TOKENS)
+    got, stats, m = _engine(trained_dir, 2, fused, padded=False).generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert m.as_dict() == ref_m.as_dict() and stats.num_steps == ref_stats.num_steps
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    assert stats.host_transfers == (1 if fused else 3) * stats.num_steps, stats.host_transfer_events[:5]
+    assert sum(stats.steps_per_k.values()) == (stats.num_steps if fused else 0)
 
 
 def test_fused_near_max_model_len(trained_dir, prompts):
@@ -360,6 +375,28 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     assert stats.host_transfers == stats.num_steps and stats.graph_failures == stats.graph_host_ops == 0
     assert {o.finish_reason for o in got} >= {"max_model_len"}
     ref, _, _ = engine("eager").generate(**run)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
+def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused):
+    """Inductor, disable_padded_drafter_batch: the unpadded layout keeps the verify width, so the graphs warm-up
+    built replay (the fused step, or the target and draft graphs): no compile after warm-up, no host sync, and
+    the no-spec engine's tokens, while the batch drains from 3 to 1."""
+    from ascend_spec.engine import dynamo_compile_count
+
+    cfg = inductor_config(2)
+    cfg = dataclasses.replace(cfg, fused_step=fused,
+                              speculative=dataclasses.replace(cfg.speculative, disable_padded_drafter_batch=True))
+    eng = load_engine(trained_dir, cfg, count_host_syncs=True)
+    eng.warmup(progress=False)
+    before = dynamo_compile_count()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, stats, _ = eng.generate(prompts[:3], SamplingParams(), [40, 10, 20])
+    assert dynamo_compile_count() == before and stats.recompiles_after_warmup == 0
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    assert stats.graph_failures == stats.graph_host_ops == 0
+    ref, _, _ = _engine(trained_dir, 0, fused=False).generate(prompts[:3], SamplingParams(), [40, 10, 20])
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 

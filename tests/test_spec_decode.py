@@ -3,6 +3,7 @@ import torch
 
 from ascend_spec.sampling import SamplingParams, SamplingTensors, make_generator
 from ascend_spec.spec_decode import (
+    compact_rejected,
     prepare_inputs,
     prepare_inputs_padded,
     prepare_next_token_ids_padded,
@@ -89,6 +90,32 @@ def test_padded_and_unpadded_agree_on_sampled_index():
     idx, rejected = prepare_inputs_padded(qsl, num_draft, valid)
     new_qsl, token_indices = prepare_inputs(qsl, rejected)
     assert token_indices[new_qsl[1:] - 1].tolist() == idx.tolist()
+
+
+
+def test_compact_rejected_is_prepare_inputs_on_device():
+    """The unpadded layout at the verify width: each row's compacted span (``prepare_inputs``) in place, the rest
+    inert; context ends at the sampled position; a pad row (seq_len 0) stays one. No host sync."""
+    b, q = 4, 4
+    qsl = torch.arange(b + 1) * q
+    num_draft, valid = torch.tensor([3, 0, 2, 3]), torch.tensor([2, 1, 3, 4])
+    ids = torch.arange(b * q).view(b, q) + 100
+    pos = torch.arange(q).view(1, q) + torch.tensor([10, 20, 30, 40]).view(b, 1)
+    hidden = torch.randn(b, q, 5)
+    slots = pos + 1000
+    seq_lens = torch.tensor([14, 24, 34, 0])
+    with HostSyncCounter() as sc:
+        idx, rejected = prepare_inputs_padded(qsl, num_draft, valid)
+        out = compact_rejected(ids, pos, hidden, slots, seq_lens, idx - qsl[:-1])
+    assert sc.count == 0, sc.events
+    new_qsl, token_indices = prepare_inputs(qsl, rejected)
+    for r in range(b):
+        n = int(new_qsl[r + 1] - new_qsl[r])
+        src = token_indices[new_qsl[r]: new_qsl[r + 1]]
+        for got, full, pad in zip(out[:4], (ids, pos, hidden, slots), (0, 0, 0.0, -1)):
+            assert torch.equal(got[r, :n], full.flatten(0, 1)[src])
+            assert bool((got[r, n:] == pad).all())
+    assert out[4].tolist() == [10 + 1 + 1, 20 + 3 + 1, 30 + 3 + 1, 0]
 
 
 # --- rejection_sample (greedy) --------------------------------------------------------------------------------------

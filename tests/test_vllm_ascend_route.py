@@ -341,6 +341,23 @@ def test_propose_repacks_a_ragged_prefill_step(release):
     assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.eager_calls == 0  # a 4-token chunk: a graph's width
 
 
+
+def test_propose_packs_an_unpadded_decode_step_at_the_decode_width(release):
+    """vLLM's unpadded drafter batch: rejected tokens compacted away, spans of at most 1 + K tokens. Repacked on
+    device at the decode width 1 + K (the warm decode graph), the forward context sized for it."""
+    import vllm_ascend.ascend_forward_context as fc
+
+    d = built_adapter()
+    fc.CALLS.clear()
+    d._propose(**recorded_inputs([0, 2, 3], [12, 21], [1, 2]))  # one draft accepted, then none
+    (x,) = d._ascend.inputs
+    assert x.target_token_ids.tolist() == [[10, 11, 0], [12, 0, 0]]
+    assert x.target_slot_mapping.tolist() == [[100, 101, -1], [102, -1, -1]]
+    assert x.token_indices_to_sample.tolist() == [1, 0]
+    assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.eager_calls == 0
+    (name, args), = fc.CALLS
+    assert args["num_tokens"] == d._ascend.graph.tokens_for(2, 3)
+
 def test_propose_hands_what_it_cannot_draft_to_vllm_ascend(release):
     import vllm_ascend.spec_decode.llm_base_proposer as base
 
