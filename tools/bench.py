@@ -265,6 +265,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (inductor: plain on CPU, CUDA graphs on CUDA)")
     ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
                     help="torchair_graph_config.prefill_query_widths (default the config's; none: eager prompts)")
+    ap.add_argument("--no-account", dest="account", action="store_false",
+                    help="end-to-end contenders only: skip the step-time account (its runs take as long again)")
     args = ap.parse_args()
     if min(args.ks) < 1:
         ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
@@ -295,7 +297,7 @@ def main() -> None:
                 runs.setdefault((b, name), []).append(t)
                 print(f"round {r} batch {b} {name}: {t.tokens_per_s:.1f} tok/s", flush=True)
     accounts = {(b, k): account(eng, prompts, b, args.max_tokens, args.length_spread, k)
-                for b in args.batches for k in [0, *args.ks]}
+                for b in args.batches for k in [0, *args.ks]} if args.account else {}
     for a in accounts.values():
         print(f"account batch {a['batch']} K={a['k']}: " + ", ".join(
             f"{key} {v:.2f}" for key, v in a.items() if key.endswith("_ms")), flush=True)
@@ -357,6 +359,32 @@ def adaptive_vs_best(rows: list[dict]) -> list[dict]:
     return out
 
 
+def plot_account(out: Path, batches: list[int], accounts: list[dict]) -> None:
+    """step_account.png: each batch's step time per K, split into the account's parts."""
+    import matplotlib.pyplot as plt
+
+    ks = sorted({a["k"] for a in accounts})
+    fig, axes = plt.subplots(1, len(batches), figsize=(2.2 * len(batches) + 1, 4), squeeze=False)
+    axes = axes[0]
+    parts = [("verify", "verify_ms"), ("accept", "accept_ms"), ("draft chain", "draft_ms"), ("host", "host_ms"),
+             ("prefill", "prefill_ms"), ("loop", "loop_ms")]
+    for ax, b in zip(axes, batches):
+        acc = [next(a for a in accounts if a["batch"] == b and a["k"] == k) for k in ks]
+        bottom = [0.0] * len(ks)
+        for label, key in parts:
+            vals = [max(0.0, a[key]) for a in acc]
+            ax.bar([f"K={k}" for k in ks], vals, bottom=bottom, label=label)
+            bottom = [x + y for x, y in zip(bottom, vals)]
+        ax.plot([f"K={k}" for k in ks], [a["wall_ms"] for a in acc], "k_", markersize=20, label="wall")
+        ax.set_title(f"batch {b}")
+        ax.set_ylabel("ms per step" if b == batches[0] else "")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("Step-time account (measured inside the run)")
+    fig.tight_layout()
+    fig.savefig(out / "step_account.png", dpi=120)
+    plt.close(fig)
+
+
 def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) -> None:
     import matplotlib
 
@@ -392,26 +420,8 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     fig.savefig(out / "speedup.png", dpi=120)
     plt.close(fig)
 
-    ks = sorted({a["k"] for a in accounts})
-    fig, axes = plt.subplots(1, len(batches), figsize=(2.2 * len(batches) + 1, 4), squeeze=False)
-    axes = axes[0]
-    parts = [("verify", "verify_ms"), ("accept", "accept_ms"), ("draft chain", "draft_ms"), ("host", "host_ms"),
-             ("prefill", "prefill_ms"), ("loop", "loop_ms")]
-    for ax, b in zip(axes, batches):
-        acc = [next(a for a in accounts if a["batch"] == b and a["k"] == k) for k in ks]
-        bottom = [0.0] * len(ks)
-        for label, key in parts:
-            vals = [max(0.0, a[key]) for a in acc]
-            ax.bar([f"K={k}" for k in ks], vals, bottom=bottom, label=label)
-            bottom = [x + y for x, y in zip(bottom, vals)]
-        ax.plot([f"K={k}" for k in ks], [a["wall_ms"] for a in acc], "k_", markersize=20, label="wall")
-        ax.set_title(f"batch {b}")
-        ax.set_ylabel("ms per step" if b == batches[0] else "")
-    axes[-1].legend(fontsize=7)
-    fig.suptitle("Step-time account (measured inside the run)")
-    fig.tight_layout()
-    fig.savefig(out / "step_account.png", dpi=120)
-    plt.close(fig)
+    if accounts:
+        plot_account(out, batches, accounts)
 
     fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
     spread = f" ± {meta['length_spread']}" if meta.get("length_spread") else ""
@@ -444,7 +454,18 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
                   f"{BASELINE_TOLERANCE:.0%} from its one-token graph time in the same runs (" + "; ".join(
                       f"batch {r['batch']}: {r['baseline_ms_per_step']:.2f} vs {r['one_token_graph_ms']:.2f} ms"
                       for r in rows if r["contender"] == "no-spec" and not r["baseline_sound"]) + ")."]
-    lines += ["", "## Step-time account (ms per step, measured inside the run)", "",
+    if accounts:
+        lines += account_table(accounts)
+    lines += ["", "![speed-up](speedup.png)", ""] + (["![step account](step_account.png)", ""] if accounts else [])
+    (out / "results.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts,
+                                                  "adaptive_vs_best": versus},
+                                                 indent=2, default=str) + "\n")
+
+
+def account_table(accounts: list[dict]) -> list[str]:
+    """The step-time account as Markdown lines."""
+    lines = ["", "## Step-time account (ms per step, measured inside the run)", "",
               "wall = graph + host + prefill + loop (loop: the engine's scheduling and bookkeeping, what no other "
               "timer holds). The graph's phases are compiled separately and timed on every 4th step's own inputs; "
               "their sum against the fused graph shows what fusing saves. Rows finishing apart: live rows (a step's "
@@ -460,11 +481,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
                      f"{a['draft_ms']:.2f} | {a['phases_ms']:.2f} | {a['verify_ms'] / one:.2f} | "
                      f"{a['draft_ms'] / one:.2f} | {a['rebuilds']} | {a['live_rows']:.2f} | "
                      f"{a['keys_read_per_live']:.2f} |")
-    lines += ["", "![speed-up](speedup.png)", "", "![step account](step_account.png)", ""]
-    (out / "results.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts,
-                                                  "adaptive_vs_best": versus},
-                                                 indent=2, default=str) + "\n")
+    return lines
 
 
 if __name__ == "__main__":
