@@ -230,7 +230,10 @@ def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
     assert at[1] > at[0] and at[1] < (1 + SWITCH_MARGIN) * at[0]  # K = 1 better, but by less than the margin
     policy = AdaptiveK(2, step_seconds={8: dict(costs)}, chosen={8: 0})
     assert policy.k_for(8, [0.62, 0.5]) == 0  # K = 1 is better, but not by the margin: K = 0 keeps running
-    assert AdaptiveK(2, step_seconds={1: dict(costs)}).k_for(1, [0.62, 0.5]) == 2  # K_max, the first incumbent
+    # K_max, which ran while acceptance was learned, is no incumbent: the first choice is the best drafting K
+    # outright (K = 1, 3.8% ahead of K = 2), and K = 0 must beat it by the stop margin
+    assert AdaptiveK(2, step_seconds={1: dict(costs)}).k_for(1, [0.62, 0.5]) == 1
+    assert AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.7, 2: 1.98}}).k_for(1, [0.62, 0.5]) == 2  # 2.5% under K = 0: inside the stop margin
     assert choose_k(costs, [0.62, 0.5]) == 1  # with no incumbent the best K wins outright
     assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
 
@@ -447,15 +450,18 @@ def _scripted_k(eng, k_of_step) -> dict:
     """Run ``eng``'s fused steps at ``k_of_step(step index)``; returns what the last step saw of the one request
     (its blocks and token count)."""
     runner, seen, count = eng.runner, {}, [0]
-    step = runner.step
+    plan, step = runner.plan, runner.step
 
-    def scripted(running, generator, stats):
+    def scripted_plan(running):
         runner.force_k = k_of_step(count[0])
         count[0] += 1
-        seen.update(blocks=list(running[0].blocks), num_tokens=running[0].num_tokens)
-        return step(running, generator, stats)
+        return plan(running)
 
-    runner.step = scripted
+    def seen_step(running, generator, stats, step_plan):
+        seen.update(blocks=list(running[0].blocks), num_tokens=running[0].num_tokens)
+        return step(running, generator, stats, step_plan)
+
+    runner.plan, runner.step = scripted_plan, seen_step
     return seen
 
 
@@ -486,6 +492,7 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
 
     resumed, resumed_cache, stats = run(lambda i: 0 if 2 <= i < 14 else 2)
     assert stats.steps_per_k.get(0) == 12 and stats.steps_per_k.get(2)
+    assert stats.k_switches == 2  # 2 -> 0 at the third step, 0 -> 2 at the fifteenth
     drafted, drafted_cache, _ = run(lambda i: 2)
     assert resumed == drafted
     assert resumed_cache.shape == drafted_cache.shape
