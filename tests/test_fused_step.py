@@ -233,7 +233,8 @@ def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
     # K_max, which ran while acceptance was learned, is no incumbent: the first choice is the best drafting K
     # outright (K = 1, 3.8% ahead of K = 2), and K = 0 must beat it by the stop margin
     assert AdaptiveK(2, step_seconds={1: dict(costs)}).k_for(1, [0.62, 0.5]) == 1
-    assert AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.7, 2: 1.98}}).k_for(1, [0.62, 0.5]) == 2  # 2.5% under K = 0: inside the stop margin
+    # ... here K = 2, 2.5% under K = 0: inside a lone request's stop margin
+    assert AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.7, 2: 1.98}}).k_for(1, [0.62, 0.5]) == 2
     assert choose_k(costs, [0.62, 0.5]) == 1  # with no incumbent the best K wins outright
     assert choose_k(costs, [0.62, 0.5], current=1) == 1 and choose_k(costs, [0.9, 0.9], current=0) == 2
 
