@@ -29,9 +29,9 @@ A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per s
 the 2-core CPU, where every K is within a few per cent a step) then do not flip K every few steps, each flip paying
 a batch rebuild. K_max, which runs while acceptance is learned, is no incumbent: a bucket's first choice is the
 best drafting K outright (with K_max the incumbent, a K 4% better per second never ran: batch 4, K = 3 at 1.21x
-plain decoding where K = 1 ran 1.35x), and K = 0 must beat it as it must beat any running drafting K. Making K = 0 the first
-incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later ones, could
-then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
+plain decoding where K = 1 ran 1.35x), and K = 0 must beat it as it must beat any running drafting K. Making
+K = 0 the first incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later
+ones, could then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
 plain decoding where K = 3 ran 1.27x).
 
 Speculating rows finish apart, and that costs a bucket of several rows more than its steps show: the queue's last

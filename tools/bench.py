@@ -327,8 +327,9 @@ def main() -> None:
     for row in adaptive_vs_best(rows):
         print(f"batch {row['batch']}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']})",
               flush=True)
+    isa = torch.backends.cpu.get_cpu_capability()
     machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
-               else f"{platform.machine()} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads")
+               else f"{platform.machine()} ({isa}), {torch.get_num_threads()} threads")
     meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
             "length_spread": args.length_spread,
