@@ -31,8 +31,8 @@ a batch rebuild. K_max, which runs while acceptance is learned, is no incumbent:
 best drafting K outright (with K_max the incumbent, a K 4% better per second never ran: batch 4, K = 3 at 1.21x
 plain decoding where K = 1 ran 1.35x), and K = 0 must beat it as it must beat any running drafting K. Making
 K = 0 the first incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later
-ones, could then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round at 0.95x
-plain decoding where K = 3 ran 1.27x).
+ones, could then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round
+at 0.95x plain decoding where K = 3 ran 1.27x).
 
 Speculating rows finish apart, and that costs a bucket of several rows more than its steps show: the queue's last
 requests drain unevenly, the next ones are prefilled one by one, and rows of different lengths pad each other's
