@@ -94,4 +94,4 @@ def test_plain_steps_of_a_drafting_engine_need_no_draft_room(trained_dir, k, for
     eng.eos_token_id = None
     eng.force_k = force_k
     _, stats, _ = eng.generate(prompts, SamplingParams(), [32 - len(p) for p in prompts])
-    assert (stats.preemptions > 0) == (k and force_k is None), stats.preemptions
+    assert (stats.preemptions > 0) == (k > 0 and force_k is None), stats.preemptions
