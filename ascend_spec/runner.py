@@ -458,9 +458,10 @@ class ModelRunner:
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
              plan: StepPlan | None = None) -> StepOutput:
         """One decode step over ``running`` as ``plan`` (from :meth:`plan` before the scheduler made room for
-        it; planned now when None). Preemption while making room may have shrunk the batch since."""
+        it; planned now when None). Preemption while making room may have shrunk the batch since, which keeps
+        the fused path applicable (a smaller batch fits a bucket, and its rows' logprobs were already allowed)."""
         plan = plan or self.plan(running)
-        if plan.fused and self.fused_applies(running):
+        if plan.fused:
             return self._step_fused(running, generator, stats, plan)
         self._drafts_to_host()
         self._last_step_end = None

@@ -58,7 +58,6 @@ def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
     assert ref_stats.host_transfers == (3 if k else 2) * ref_stats.num_steps, ref_stats.host_transfer_events[:5]
 
 
-
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
 def test_unpadded_drafter_batch_on_device(trained_dir, prompts, fused):
     """disable_padded_drafter_batch: rejected tokens dropped on device, on the fused path as on the step-by-step

@@ -92,7 +92,6 @@ def test_padded_and_unpadded_agree_on_sampled_index():
     assert token_indices[new_qsl[1:] - 1].tolist() == idx.tolist()
 
 
-
 def test_compact_rejected_is_prepare_inputs_on_device():
     """The unpadded layout at the verify width: each row's compacted span (``prepare_inputs``) in place, the rest
     inert; context ends at the sampled position; a pad row (seq_len 0) stays one. No host sync."""
