@@ -37,6 +37,7 @@ from .config import EngineConfig
 from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
+from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.mla_kernels import live_blocks
@@ -154,6 +155,11 @@ class ModelRunner:
         self.shapes = self.backend.shapes
         # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
         self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None
+        # Graphs saved whole where the backend can load them without tracing (CPU inductor)
+        self.graph_store: GraphStore | None = None
+        if self.compile_cache is not None and device.type == "cpu" and aot_available():
+            self.graph_store = GraphStore(self.compile_cache, self.cache_key("graphs"), external={"model": model})
+            self.backend.store = self.graph_store
         model.use_backend(self.backend)
         model.set_compile_regions(getattr(self.backend, "compile_regions", False))
         #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
@@ -240,8 +246,11 @@ class ModelRunner:
         first = self.prefill_graph is not None and not self._prefill_warm
         if first:  # once per engine: prompts are prompts whatever the sampling modes
             what += "_prefill_q" + "-".join(map(str, self.prefill_graph.query_widths))
-        cached = (self.compile_cache.around_warmup(self.cache_key(what)) if self.compile_cache is not None
-                  else nullcontext(None))
+        # torch's artifacts cache where graphs are not stored whole (the store needs neither Dynamo nor it)
+        cached = (self.compile_cache.around_warmup(self.cache_key(what))
+                  if self.compile_cache is not None and self.graph_store is None else nullcontext(None))
+        store = self.graph_store
+        before = (store.loaded, store.compiled) if store is not None else None
         with torch.no_grad(), cached as hit:
             if self.cfg.fused_step:
                 self._warmup_fused(report, progress, modes, logprobs)
@@ -249,6 +258,8 @@ class ModelRunner:
                 self._warmup_step_by_step(report, progress)
             if first:
                 self._warmup_prefill(report, progress)
+        if store is not None and before is not None:
+            hit = store.compiled == before[1] if store.loaded > before[0] or store.compiled > before[1] else None
         report.cache_hit = hit
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
@@ -260,7 +271,8 @@ class ModelRunner:
         """One warm-up's compiled artifacts: the model, the graph code, torch and every option that shapes them."""
         cfg = self.cfg
         return CacheKey(what=what, model_config=self.model.cfg.to_hf_dict(), backend=self.backend.name,
-                        backend_options={"device": str(self.device), "dtype": str(self.model.lm_head.weight.dtype),
+                        backend_options={"device": str(self.device), "capability": device_capability(self.device),
+                                         "dtype": str(self.model.lm_head.weight.dtype),
                                          "shapes": dataclasses.asdict(self.shapes),
                                          "attention": self.backend.attention_kernel,
                                          "compile_regions": getattr(self.backend, "compile_regions", False),

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .aot_graphs import AotGraph, GraphStore, keep_portable_input_guards
 from .base import DynamicDims, GraphFn, ShapePolicy
 from .guards import keep_input_guards
 from .lint import GraphLint
@@ -50,6 +51,9 @@ class InductorBackend:
         # as one: the rest cost a CPU step 0.5-0.7 ms. CUDA keeps Dynamo's defaults (torch.compile takes ``mode``
         # or ``options``, not both; unmeasured there).
         self.guard_filter = keep_input_guards if input_guards_only and not cuda else None
+        #: where graphs are saved whole and loaded without tracing (``aot_graphs``; CPU only: CUDA graph trees
+        #: over AOT-loaded graphs are unverified); the engine sets it when its compile cache is on
+        self.store: GraphStore | None = None
 
     def _options(self) -> dict[str, Any] | None:
         # a new dict each call: torch.compile pops "guard_filter_fn" out of the one it is given
@@ -60,6 +64,8 @@ class InductorBackend:
         return self.lint.wrap(torch._TorchCompileInductorWrapper(self.mode, None, dynamic), tag)
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
+        if self.store is not None and self.mode is None:
+            return self._compile_aot(fn, tag, dims)
         if dims is None:
             return self._new_generation_each_call(torch.compile(
                 fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False), options=self._options()), tag)
@@ -73,6 +79,17 @@ class InductorBackend:
             return compiled(*args)
 
         return self._new_generation_each_call(call, tag)
+
+    def _compile_aot(self, fn: GraphFn, tag: str, dims: DynamicDims | None) -> GraphFn:
+        assert self.store is not None
+        dynamic = False if dims is None else None
+        options = {"guard_filter_fn": keep_portable_input_guards}
+
+        def make_compiled(f: GraphFn) -> Any:
+            return torch.compile(f, fullgraph=True, dynamic=dynamic, backend=self._backend(tag, dynamic),
+                                 options=dict(options))
+
+        return AotGraph(fn, tag, dims, self.store, self.lint, make_compiled, mark_dims)
 
     def _new_generation_each_call(self, compiled: GraphFn, tag: str) -> GraphFn:
         """On CUDA every replay starts a new generation of the CUDA graph tree, so each graph is a root of its own:

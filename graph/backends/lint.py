@@ -126,7 +126,10 @@ class GraphLint:
 
     def check(self, gm: torch.fx.GraphModule, graph: str) -> None:
         self.graphs_checked += 1
-        found = find_host_ops(gm, graph)
+        self.report(find_host_ops(gm, graph), graph)
+
+    def report(self, found: list[HostOp], graph: str) -> None:
+        """What a check of ``graph`` found (or a stored graph's findings, on load): refused or counted."""
         if not found:
             return
         if self.strict:

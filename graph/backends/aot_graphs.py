@@ -1,0 +1,237 @@
+"""Compiled graphs saved whole and loaded without tracing: a warm start that skips Dynamo (inductor on CPU).
+
+The compile cache's artifacts (``compile_cache``) hold inductor's output, not Dynamo's trace, so a start from them
+still traces every graph (most of a warm start's time, see ``docs/startup.md``). Here each graph is a list of
+*variants*, each one of torch's AOT-compiled functions (``torch.compile(fn).aot_compile``): the transformed
+bytecode, its guards and the inductor artifact, saved with ``AOTCompiledFunction.serialize`` and loaded with
+``deserialize``, as vLLM's warm start does. A call runs the first variant whose guards accept the arguments; when
+none does, one Dynamo trace compiles a new variant (a batch of one, a width range inductor specialised) and the
+graph's file is rewritten.
+
+Safety:
+- An entry is keyed (:class:`~.compile_cache.CacheKey`) by the model config, the backend and its options, the
+  device's kind and CPU capability, torch and Python, the graph's tag and a digest of every source file of the
+  package (the saved bytecode is the traced code: any change to it must miss, not replay the old one).
+- The graph closes over the model; its modules are passed in as external data at save and load, so a loaded graph
+  reads the weights of the model it serves (never a copy).
+- Guards kept are the portable ones (tensor metadata of the arguments, dynamic-shape relations, global state): the
+  others cannot be rebuilt in another process. The graph key fixes the rest (``graph.backends.guards``).
+- A corrupt, foreign or unloadable entry warns once, is removed and reads as a miss; a variant whose guards fail
+  is not called. A graph's host-op findings (``graph.backends.lint``) are stored with it and reported on load.
+- ``torch.compiler.set_stance("fail_on_recompile")`` refuses a new variant once one exists, as Dynamo does.
+
+Torch 2.13 quirks handled here: un-pickling a guard state that names an imported module installs a guard and needs
+a tracing context (a throwaway one is given), and a tensor still marked dynamic fails a loaded variant's guards
+(variants are compiled on unmarked aliases of the arguments).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .base import DynamicDims, GraphFn
+from .compile_cache import BadEntry, CacheKey, CompileCache, _atomic_write, decode_entry, encode_entry
+from .guards import keep_input_guards
+from .lint import GraphLint, HostOp
+
+log = logging.getLogger(__name__)
+
+#: the message ``note_graph_failure`` recognises as a compile policy speaking, not a fault
+_STANCE_REFUSAL = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def aot_available() -> bool:
+    """Torch offers AOT compilation with loadable artifacts (2.10+)."""
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo, "aot_compile")
+
+
+def keep_portable_input_guards(entries: Any) -> list[bool]:
+    """The guards a variant keeps: ``keep_input_guards``' that torch can rebuild in another process."""
+    portable = torch.compiler.keep_portable_guards_unsafe(entries)
+    return [a and b for a, b in zip(keep_input_guards(entries), portable)]
+
+
+def _package_sources() -> list[Path]:
+    here = Path(__file__).resolve()
+    graph_pkg = here.parent.parent
+    return [graph_pkg, graph_pkg.parent / "ascend_spec"]
+
+
+@functools.cache
+def traced_code_digest() -> str:
+    """sha256 over the sources a graph's trace can reach (the graph package and the engine's step code)."""
+    h = hashlib.sha256()
+    for folder in _package_sources():
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.rglob("*.py"), key=lambda p: p.relative_to(folder).as_posix()):
+            h.update(folder.name.encode() + b"/" + path.relative_to(folder).as_posix().encode() + b"\0")
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:24]
+
+
+def device_capability(device: torch.device) -> str:
+    """What compiled kernels depend on besides the device kind: the CPU's vector ISA, a GPU's name and capability."""
+    if device.type == "cpu":
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return device.type
+
+
+@dataclasses.dataclass
+class GraphStore:
+    """Where an engine's AOT-compiled graphs live: one cache entry per graph tag, holding its variants."""
+
+    cache: CompileCache
+    #: the key every graph of this engine shares (the tag goes into ``what``)
+    base_key: CacheKey
+    #: objects the graphs close over that must not be pickled (the model): name -> object
+    external: dict[str, object]
+    #: counters for the warm-up report
+    loaded: int = 0
+    compiled: int = 0
+
+    def key(self, tag: str) -> CacheKey:
+        return dataclasses.replace(self.base_key, what=f"graph.{tag}"[:64], graph_code=traced_code_digest())
+
+    def read(self, tag: str) -> dict[str, Any] | None:
+        """The stored ``{"variants": [bytes], "findings": [...]}`` of ``tag``; None on a miss (a bad entry warns
+        once and is removed)."""
+        key = self.key(tag)
+        path = self.cache.path_for(key)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self.cache._reject(path, f"unreadable ({exc})")
+            return None
+        try:
+            stored = pickle.loads(decode_entry(blob, key))
+            if not isinstance(stored, dict) or not isinstance(stored.get("variants"), list):
+                raise BadEntry("unreadable payload (allowed: a dict with a list of variants)")
+        except BadEntry as exc:
+            self.cache._reject(path, str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - a payload that does not un-pickle is a miss
+            self.cache._reject(path, f"unreadable payload ({exc.__class__.__name__}: {exc})")
+            return None
+        return stored
+
+    def write(self, tag: str, variants: list[bytes], findings: list[HostOp]) -> None:
+        key = self.key(tag)
+        payload = pickle.dumps({"variants": variants, "findings": [dataclasses.asdict(f) for f in findings]})
+        _atomic_write(self.cache.path_for(key), encode_entry(key, payload))
+
+    def reject(self, tag: str, reason: str) -> None:
+        self.cache._reject(self.cache.path_for(self.key(tag)), reason)
+
+
+def _deserialize(data: bytes, f_globals: dict[str, object], external: dict[str, object]) -> Any:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        variant = AOTCompiledFunction.deserialize(data, f_globals, external)
+    variant.disable_guard_check()  # checked by AotGraph before the call
+    return variant
+
+
+def _unmarked(args: tuple[Any, ...], dims: DynamicDims | None) -> tuple[Any, ...]:
+    """``args`` with each dynamic-dimension tensor replaced by an alias of its own (same storage), which the
+    compile marks: a marking left on the caller's tensor would fail every loaded variant's guards on it."""
+    if dims is None:
+        return args
+    out = list(args)
+    for i in {*dims.batch, *dims.width, *dims.query}:
+        out[i] = args[i].detach()
+    return tuple(out)
+
+
+def _stance_refuses() -> bool:
+    from torch._dynamo.eval_frame import _stance
+
+    return getattr(_stance, "stance", "default") == "fail_on_recompile"
+
+
+def _count_compile() -> None:
+    """A variant counts as one compiled graph, as a Dynamo compile does (``engine.dynamo_compile_count``)."""
+    from torch._dynamo.utils import counters
+
+    counters["stats"]["unique_graphs"] += 1
+
+
+class AotGraph:
+    """One graph: its variants, loaded on the first call, compiled (and saved) when none accepts a call."""
+
+    def __init__(self, fn: GraphFn, tag: str, dims: DynamicDims | None, store: GraphStore, lint: GraphLint,
+                 make_compiled: Callable[[GraphFn], Any], mark: Callable[[tuple[Any, ...], DynamicDims], None]
+                 ) -> None:
+        self.fn = fn
+        self.tag = tag
+        self.dims = dims
+        self.store = store
+        self.lint = lint
+        self._make_compiled = make_compiled
+        self._mark = mark
+        self.variants: list[Any] = []
+        self._saved: list[bytes] = []
+        self._findings: list[HostOp] = []
+        self._loaded = False
+        self.__name__ = tag
+
+    def _load(self) -> None:
+        self._loaded = True
+        stored = self.store.read(self.tag)
+        if stored is None:
+            return
+        try:
+            variants = [_deserialize(data, self.fn.__globals__, self.store.external) for data in stored["variants"]]
+            findings = [HostOp(**f) for f in stored.get("findings", [])]
+        except Exception as exc:  # noqa: BLE001 - whatever torch raises, the answer is "recompile"
+            self.store.reject(self.tag, f"torch could not load it ({exc.__class__.__name__}: {exc})")
+            return
+        self.lint.report(findings, self.tag)  # as at compile: strict refuses, else counted
+        self.variants, self._saved, self._findings = variants, list(stored["variants"]), findings
+        self.store.loaded += len(variants)
+
+    def _compile(self, args: tuple[Any, ...]) -> Any:
+        if self.variants and _stance_refuses():
+            raise RuntimeError(f"{_STANCE_REFUSAL}: graph {self.tag!r} has no variant for these arguments")
+        example = _unmarked(args, self.dims)
+        if self.dims is not None:
+            self._mark(example, self.dims)
+        before = len(self.lint.findings)
+        variant = self._make_compiled(self.fn).aot_compile((example, {}))
+        _count_compile()
+        self.store.compiled += 1
+        self.variants.append(variant)
+        self._findings += self.lint.findings[before:]
+        try:
+            from torch._dynamo.aot_compile import AOTCompiledFunction
+
+            self._saved.append(AOTCompiledFunction.serialize(variant, self.store.external).serialized_data)
+            self.store.write(self.tag, self._saved, self._findings)
+        except Exception as exc:  # noqa: BLE001 - a graph that cannot be saved still runs
+            log.warning("compiled graph %s not saved (%s: %s); the next start compiles it again", self.tag,
+                        type(exc).__name__, exc)
+        variant.disable_guard_check()
+        return variant
+
+    def __call__(self, *args: Any) -> Any:
+        if not self._loaded:
+            self._load()
+        for variant in self.variants:
+            if variant.guard_check(*args):
+                return variant(*args)
+        return self._compile(args)(*args)

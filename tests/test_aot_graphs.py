@@ -1,0 +1,134 @@
+"""Graphs saved whole and loaded without tracing (graph.backends.aot_graphs): a warm start runs no Dynamo trace,
+replays the same tokens, reads the weights of the model it serves, and a bad entry or a call its guards reject
+compiles instead of crashing or running the wrong graph."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from ascend_spec.engine import Engine, dynamo_compile_count
+from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available
+from ascend_spec.graph.backends.base import DynamicDims, clone_with_name
+from ascend_spec.graph.backends.compile_cache import CacheKey, CompileCache
+from ascend_spec.graph.backends.inductor import InductorBackend
+from ascend_spec.graph.weights import load_model
+from ascend_spec.sampling import SamplingParams
+
+from .conftest import inductor_config
+
+pytestmark = [pytest.mark.skipif(not aot_available(), reason="this torch has no AOT compilation"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+PROMPTS = [[5, 9, 17, 3, 22, 8], [40, 2, 11], [7, 7, 30, 1, 19]]
+
+
+def _affine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w + 1
+
+
+def _store(root: Path) -> GraphStore:
+    key = CacheKey(what="graphs", model_config={"unit": 1}, backend="inductor")
+    return GraphStore(CompileCache(root), key, external={})
+
+
+def _graph(store: GraphStore):
+    backend = InductorBackend(torch.device("cpu"), input_guards_only=True, graph_failure="raise")
+    backend.store = store
+    return backend.compile(clone_with_name(_affine, "unit_affine"), "unit_affine", DynamicDims(batch=(0,)))
+
+
+def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    graph = _graph(store)
+    w = torch.randn(3, 4)
+    for rows in (2, 5, 9):  # one dynamic-batch variant serves every batch of two rows or more
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(graph(x, w), _affine(x, w))
+    assert store.compiled == 1
+    # a dtype its guards reject never reaches that variant: a second one compiles ...
+    xd, wd = torch.randn(4, 3, dtype=torch.float64), w.double()
+    torch.testing.assert_close(graph(xd, wd), _affine(xd, wd))
+    assert store.compiled == 2
+    # ... unless the stance forbids compiling once a variant exists, as Dynamo's does
+    with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="fail_on_recompile"):
+        graph(torch.randn(4, 3, 2), w)
+
+    fresh = _store(tmp_path)  # another process's view: both variants load, neither compiles
+    before = dynamo_compile_count()
+    reloaded = _graph(fresh)
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(reloaded(x, w), _affine(x, w))
+    torch.testing.assert_close(reloaded(xd, wd), _affine(xd, wd))
+    assert (fresh.loaded, fresh.compiled) == (2, 0)
+    assert dynamo_compile_count() == before
+
+
+@pytest.fixture(scope="module")
+def warm_store(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An engine's first start into an empty store: (cache folder, greedy outputs, its store)."""
+    root = tmp_path_factory.mktemp("aot_store")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ASCEND_SPEC_CACHE_DIR", str(root))
+        eng = Engine(load_model(trained_dir), inductor_config(2))
+        eng.warmup(progress=False)
+        outs, _, metrics = eng.generate(PROMPTS, SamplingParams(), 24)
+    return root, [o.token_ids for o in outs], metrics, eng.runner.graph_store
+
+
+def _engine(root: Path, model, monkeypatch: pytest.MonkeyPatch) -> Engine:
+    monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(root))
+    return Engine(model, inductor_config(2))
+
+
+def test_warm_start_loads_every_graph_and_traces_none(warm_store, trained_dir, monkeypatch) -> None:
+    root, tokens, metrics, first = warm_store
+    assert first is not None and first.compiled > 0 and first.loaded == 0
+    eng = _engine(root, load_model(trained_dir), monkeypatch)
+    before = dynamo_compile_count()
+    report = eng.warmup(progress=False)
+    outs, warm_stats, warm_metrics = eng.generate(PROMPTS, SamplingParams(), 24)
+    store = eng.runner.graph_store
+    assert (store.loaded, store.compiled) == (first.compiled, 0)
+    assert dynamo_compile_count() == before and report.cache_hit is True
+    assert [o.token_ids for o in outs] == tokens
+    assert warm_metrics.num_accepted_tokens == metrics.num_accepted_tokens > 0
+    assert warm_stats.recompiles_after_warmup == 0
+
+
+def test_loaded_graphs_read_the_weights_of_the_model_they_serve(warm_store, trained_dir, monkeypatch) -> None:
+    root, tokens, _, _ = warm_store
+    model = load_model(trained_dir)
+    with torch.no_grad():
+        model.lm_head.weight.neg_()  # same shapes, other weights: the loaded graphs must read these
+    eng = _engine(root, model, monkeypatch)
+    eng.warmup(progress=False)
+    assert eng.runner.graph_store.compiled == 0
+    outs, _, _ = eng.generate(PROMPTS, SamplingParams(), 24)
+
+    monkeypatch.setenv("ASCEND_SPEC_DISABLE_COMPILE_CACHE", "1")  # the same model through Dynamo's own path
+    ref = Engine(model, inductor_config(2))
+    assert ref.runner.graph_store is None
+    ref.warmup(progress=False)
+    ref_outs, _, _ = ref.generate(PROMPTS, SamplingParams(), 24)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs] != tokens
+
+
+def test_a_corrupt_graph_entry_warns_is_removed_and_compiles(warm_store, trained_dir, monkeypatch, caplog) -> None:
+    root, tokens, _, first = warm_store
+    path = next(p for p in root.glob("*.bin") if CompileCache(root).path_for(first.key("spec_k2_greedy")) == p)
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    eng = _engine(root, load_model(trained_dir), monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        eng.warmup(progress=False)
+    warned = [r.getMessage() for r in caplog.records if "ignoring and removing" in r.getMessage()]
+    assert len(warned) == 1 and "corrupt" in warned[0], warned
+    store = eng.runner.graph_store
+    assert store.compiled >= 1 and store.loaded == first.compiled - store.compiled
+    outs, _, _ = eng.generate(PROMPTS, SamplingParams(), 24)
+    assert [o.token_ids for o in outs] == tokens
+    assert path.exists()  # written again by the compile
