@@ -27,9 +27,13 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     name = config.getoption("--plant-defect")
     if name:
+        import tempfile
+
         from .planted_defects import plant
 
         plant(name)
+        # graphs saved by unplanted runs would be loaded, not traced with the defect: compile into a fresh store
+        os.environ["ASCEND_SPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="ascend-spec-planted-")
 
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,

@@ -17,6 +17,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``host_read_in_unpadded_draft``: the unpadded drafter layout (``spec_decode.compact_rejected``) reads each row's
   sample index on the host. Fails ``test_fused_step.py::test_unpadded_drafter_batch_on_device``, fused and step by
   step (the host-sync counter).
+- ``aot_ignores_guards``: a graph saved whole runs its first variant whatever the arguments (no guard check).
+  Fails ``test_aot_graphs.py::test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store``.
 - ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
   ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
 """
@@ -116,6 +118,20 @@ def draft_wrong_slot() -> None:
     original = steps.slots_for
     # the defect: the draft chain's (and only its: other modules bound their own name) slots are one early
     steps.slots_for = lambda positions, block_table, block_size: original(positions, block_table, block_size) - 1
+
+
+@_plant
+def aot_ignores_guards() -> None:
+    from ascend_spec.graph.backends.aot_graphs import AotGraph
+
+    def call(self, *args):
+        if not self._loaded:
+            self._load()
+        if self.variants:
+            return self.variants[0](*args)  # the defect: no guard check
+        return self._compile(args)(*args)
+
+    AotGraph.__call__ = call
 
 
 def plant(name: str) -> None:
