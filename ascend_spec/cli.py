@@ -254,7 +254,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(json.dumps({
             "root": str(cache.root),
             "entries": [{"digest": e.digest, "what": e.what, "size_bytes": e.size, "age_seconds": round(e.age_seconds),
-                         "torch_version": e.torch_version, "path": str(e.path), "problem": e.problem}
+                         "torch_version": e.torch_version, "variants": e.variants, "path": str(e.path),
+                         "problem": e.problem}
                         for e in entries],
             "inductor_dir": str(cache.inductor_dir), "inductor_bytes": inductor_bytes, "total_bytes": total,
         }, indent=2))
@@ -262,7 +263,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
     print(f"compile cache: {cache.root}")
     for e in entries:
         note = f"  ({e.problem}: removed at the next load)" if e.problem else ""
-        print(f"  {e.digest}  {e.what or '?':<24} {_size(e.size):>10}  {_age(e.age_seconds):>8}  "
+        kind = f"{e.variants} variant(s)" if e.variants is not None else "artifacts"
+        print(f"  {e.digest}  {e.what or '?':<32} {kind:>12} {_size(e.size):>10}  {_age(e.age_seconds):>8}  "
               f"torch {e.torch_version or '?'}{note}")
     if inductor_bytes:
         print(f"  inductor working cache {cache.inductor_dir}: {_size(inductor_bytes)}")

@@ -4,6 +4,9 @@ compiles instead of crashing or running the wrong graph."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -56,6 +59,9 @@ def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_pa
     with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="fail_on_recompile"):
         graph(torch.randn(4, 3, 2), w)
 
+    [entry] = CompileCache(tmp_path).entries()  # what `ascend-spec cache info` lists
+    assert (entry.what, entry.variants, entry.problem) == ("graph.unit_affine", 2, None)
+
     fresh = _store(tmp_path)  # another process's view: both variants load, neither compiles
     before = dynamo_compile_count()
     reloaded = _graph(fresh)
@@ -64,6 +70,26 @@ def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_pa
     torch.testing.assert_close(reloaded(xd, wd), _affine(xd, wd))
     assert (fresh.loaded, fresh.compiled) == (2, 0)
     assert dynamo_compile_count() == before
+
+
+def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
+    """What a warm start is: another process loads the graph (vLLM turned its AOT start off on CPU after such a
+    load crashed with torch 2.10, vllm-project/vllm#32033)."""
+    graph = _graph(_store(tmp_path))
+    graph(torch.ones(2, 3), torch.ones(3, 4))
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        import torch
+        from tests.test_aot_graphs import _affine, _graph, _store
+        store = _store(Path({str(tmp_path)!r}))
+        x, w = torch.arange(12.0).view(4, 3), torch.randn(3, 4)
+        assert torch.equal(_graph(store)(x, w), _affine(x, w))
+        print(store.loaded, store.compiled)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["1", "0"], run.stdout
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,10 @@ time per step" is the wall time of the drafter's ``propose`` on steps where ever
 both drafters. Runs are interleaved (vllm, ours, vllm, ours, ...) over ``--rounds`` engine pairs.
 Async scheduling on CPU is enabled the test-only way described in ``compat/harness.py``.
 
+``--startup``: time from ``LLM(...)`` to ready instead, each engine in a process of its own: cold (empty vLLM,
+inductor and ascend-spec caches) then warm (the same caches again), ``--rounds`` times; prints medians and ours
+÷ vLLM's drafter.
+
 ``--checkpoint``: ``bundled`` (default), ``bundled-moe`` (the bundled model made MoE + YaRN, written to
 ``--cache``) or a folder. ``--tp 2`` runs one core per rank; the workers are processes of their own, so the
 draft timings come from each rank's stats file (``ascend_spec.stats_dir``, cumulative over every generate call,
@@ -85,6 +89,42 @@ def append_row(path: Path, args: argparse.Namespace, agg: dict, same_tokens: boo
         f.write((MD_HEADER if new else "") + row)
 
 
+_START_ONE = """
+import json, sys, time
+t0 = time.perf_counter()
+from ascend_spec.compat.harness import run_one
+r = run_one(json.loads(sys.argv[1]), sys.argv[2])
+print("STARTUP " + json.dumps({"startup_seconds": r.get("startup_seconds"), "error": r.get("error"),
+                               "process_seconds": time.perf_counter() - t0}))
+"""
+
+
+def startup(configs: dict[str, dict], checkpoint: str, rounds: int, root: Path) -> dict[str, dict[str, list[float]]]:
+    """``LLM(...)`` to ready per drafter, cold and warm, each start a process of its own (caches under ``root``)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    times: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm": []} for name in configs}
+    for r in range(rounds):
+        for name, cfg in configs.items():
+            caches = Path(tempfile.mkdtemp(prefix=f"startup-{name}{r}-", dir=root))
+            env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "ASCEND_SPEC_CACHE_DIR": str(caches / "ours")}
+            for phase in ("cold", "warm"):
+                run = subprocess.run([sys.executable, "-c", _START_ONE, json.dumps(cfg), checkpoint], env=env,
+                                     capture_output=True, text=True)
+                line = next((x for x in run.stdout.splitlines() if x.startswith("STARTUP ")), None)
+                got = json.loads(line[len("STARTUP "):]) if line else {"error": run.stderr[-2000:]}
+                if got.get("error"):
+                    raise RuntimeError(f"{name} {phase} start failed: {got['error']}")
+                times[name][phase].append(got["startup_seconds"])
+                print(f"round {r} {name:5s} {phase}: LLM(...) {got['startup_seconds']:.1f} s, "
+                      f"process {got['process_seconds']:.1f} s", flush=True)
+            shutil.rmtree(caches, ignore_errors=True)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2)
@@ -107,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write raw results here")
     ap.add_argument("--append-md", type=Path, default=None,
                     help="append this run's row to a Markdown table (header written when the file is new)")
+    ap.add_argument("--startup", action="store_true",
+                    help="time LLM(...) to ready, cold and warm, each engine a process of its own")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -147,6 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             configs.append({"name": f"{name}#{r}", "drafter": name, **common,
                             "ascend": {"stats_dir": str(stats_root / f"{name}{r}")},
                             **({"graph": graph} if name == "ours" else {})})
+    if args.startup:
+        one = {name: {**cfg, "repeat": 1, "max_tokens": 8, "measure_memory": False}
+               for cfg in configs[:2] for name in [cfg["drafter"]]}
+        args.cache.mkdir(parents=True, exist_ok=True)
+        times = startup(one, str(checkpoint), args.rounds, args.cache)
+        med = {name: {phase: statistics.median(v) for phase, v in t.items()} for name, t in times.items()}
+        print(f"\nLLM(...) to ready, checkpoint {args.checkpoint}, K={args.k}, medians of {args.rounds} round(s):")
+        for phase in ("cold", "warm"):
+            v, o = med["vllm"][phase], med["ours"][phase]
+            print(f"  {phase}: vLLM's drafter {v:.1f} s, ours {o:.1f} s, ours / vLLM's {o / v:.2f}x")
+        return 0
     results = run_all(configs, str(checkpoint))
     if args.json:
         Path(args.json).write_text(json.dumps(results))

@@ -130,7 +130,7 @@ class GraphStore:
     def write(self, tag: str, variants: list[bytes], findings: list[HostOp]) -> None:
         key = self.key(tag)
         payload = pickle.dumps({"variants": variants, "findings": [dataclasses.asdict(f) for f in findings]})
-        _atomic_write(self.cache.path_for(key), encode_entry(key, payload))
+        _atomic_write(self.cache.path_for(key), encode_entry(key, payload, variants=len(variants)))
 
     def reject(self, tag: str, reason: str) -> None:
         self.cache._reject(self.cache.path_for(self.key(tag)), reason)

@@ -31,10 +31,10 @@ Inductor's working cache (``TORCHINDUCTOR_CACHE_DIR``)
     (graph, inputs, versions, config), so stale ones miss rather than load.
 
 Dynamo's tracing
-    Torch 2.13's ``torch.compile(fn, fullgraph=True).aot_compile(((args), {}))`` /
-    ``torch.compiler.load_compiled_function`` also save Dynamo's trace and guards, and
-    ``TORCH_CACHING_PRECOMPILE=1`` adds Dynamo entries to the payload above. Both are experimental in
-    2.13 (the latter drops module guards); neither is used here.
+    The payload above holds no Dynamo trace: a start from it traces every graph again. Where graphs can be saved
+    whole (CPU inductor) the engine uses :mod:`.aot_graphs` instead, with entries in this folder and this file
+    format, one per graph. ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo entries in this payload) crashes the second
+    start in torch 2.13 on this code (un-pickling a guard on an imported module) and is not used.
 """
 from __future__ import annotations
 
@@ -220,9 +220,12 @@ class CacheKey:
 # --------------------------------------------------------------------------- the entry file format
 
 
-def encode_entry(key: CacheKey, payload: bytes) -> bytes:
-    header = json.dumps({"key": key.to_dict(), "payload_sha256": hashlib.sha256(payload).hexdigest(),
-                         "payload_len": len(payload)}, sort_keys=True).encode()
+def encode_entry(key: CacheKey, payload: bytes, variants: int | None = None) -> bytes:
+    """``variants``: how many compiled variants a saved graph holds (``aot_graphs``), shown by ``cache info``."""
+    fields = {"key": key.to_dict(), "payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_len": len(payload)}
+    if variants is not None:
+        fields["variants"] = variants
+    header = json.dumps(fields, sort_keys=True).encode()
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
 
 
@@ -275,6 +278,7 @@ class EntryInfo:
     what: str | None  # the key's label; None when the header is unreadable
     torch_version: str | None
     problem: str | None  # why it would not load, when the header already tells
+    variants: int | None = None  # a saved graph's compiled variants (aot_graphs); None for torch's artifacts
 
     @property
     def age_seconds(self) -> float:
@@ -437,13 +441,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def _entry_info(path: Path) -> EntryInfo:
     st = path.stat()
-    what = torch_version = problem = None
+    what = torch_version = problem = variants = None
     try:
         with path.open("rb") as f:
             prefix = f.read(_PREFIX.size)
             header_len = _PREFIX.unpack(prefix)[2] if len(prefix) == _PREFIX.size else 0
             header, start = _read_header(prefix + f.read(min(header_len, _MAX_HEADER)))
         what, torch_version = header["key"].get("what"), header["key"].get("torch_version")
+        variants = header.get("variants")
         stored_digest = _key_digest(header["key"])
         if st.st_size - start != header["payload_len"]:
             problem = f"truncated: payload of {st.st_size - start} bytes, header says {header['payload_len']}"
@@ -452,7 +457,7 @@ def _entry_info(path: Path) -> EntryInfo:
     except BadEntry as exc:
         problem = str(exc)
     return EntryInfo(path=path, digest=path.stem, size=st.st_size, mtime=st.st_mtime, what=what,
-                     torch_version=torch_version, problem=problem)
+                     torch_version=torch_version, problem=problem, variants=variants)
 
 
 def folder_size(folder: Path) -> int:
