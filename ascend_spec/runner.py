@@ -277,6 +277,7 @@ class ModelRunner:
                                          "attention": self.backend.attention_kernel,
                                          "compile_regions": getattr(self.backend, "compile_regions", False),
                                          "max_model_len": cfg.max_model_len,
+                                         "block_size": cfg.block_size, "kv_layout": cfg.kv_layout,
                                          # one dynamic-batch graph serves any bucket list
                                          "batch_sizes": None if self.shapes.dynamic_batch else self.batch_sizes,
                                          "disable_padded_drafter_batch": bool(

@@ -3,6 +3,7 @@ replays the same tokens, reads the weights of the model it serves, and a bad ent
 compiles instead of crashing or running the wrong graph."""
 from __future__ import annotations
 
+import functools
 import logging
 import subprocess
 import sys
@@ -13,14 +14,15 @@ import pytest
 import torch
 
 from ascend_spec.engine import Engine, dynamo_compile_count
-from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available
+from ascend_spec.fused_step import make_spec_step
+from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, closure_fingerprint
 from ascend_spec.graph.backends.base import DynamicDims, clone_with_name
 from ascend_spec.graph.backends.compile_cache import CacheKey, CompileCache
 from ascend_spec.graph.backends.inductor import InductorBackend
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 
-from .conftest import inductor_config
+from .conftest import inductor_config, random_model
 
 pytestmark = [pytest.mark.skipif(not aot_available(), reason="this torch has no AOT compilation"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -71,6 +73,18 @@ def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_pa
     torch.testing.assert_close(reloaded(xd, wd), _affine(xd, wd))
     assert (fresh.loaded, fresh.compiled) == (2, 0)
     assert dynamo_compile_count() == before
+
+
+def test_graph_functions_of_other_settings_never_share_a_key() -> None:
+    """A K = 0 step that returns the hidden states (an engine that drafts at other K) and one that does not (no
+    speculation) have the same tag and model: what they close over tells them apart, and nothing else does."""
+    fp = closure_fingerprint
+    step = functools.partial(make_spec_step, max_model_len=128, mode="greedy")
+    a, b = random_model(), random_model(seed=1)
+    assert fp(step(a, 0, keep_hidden=True)) == fp(step(b, 0, keep_hidden=True))  # stable; weights are not settings
+    assert fp(step(a, 0, keep_hidden=True)) != fp(step(a, 0, keep_hidden=False))
+    assert fp(step(a, 1)) != fp(step(a, 2))
+    assert fp(step(a, 2, unpadded=True)) != fp(step(a, 2))
 
 
 def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
@@ -145,7 +159,7 @@ def test_loaded_graphs_read_the_weights_of_the_model_they_serve(warm_store, trai
 
 def test_a_corrupt_graph_entry_warns_is_removed_and_compiles(warm_store, trained_dir, monkeypatch, caplog) -> None:
     root, tokens, _, first = warm_store
-    path = next(p for p in root.glob("*.bin") if CompileCache(root).path_for(first.key("spec_k2_greedy")) == p)
+    [path] = [e.path for e in CompileCache(root).entries() if e.what == "graph.spec_k2_greedy"]
     blob = bytearray(path.read_bytes())
     blob[-100] ^= 0xFF
     path.write_bytes(bytes(blob))

@@ -10,8 +10,9 @@ graph's file is rewritten.
 
 Safety:
 - An entry is keyed (:class:`~.compile_cache.CacheKey`) by the model config, the backend and its options, the
-  device's kind and CPU capability, torch and Python, the graph's tag and a digest of every source file of the
-  package (the saved bytecode is the traced code: any change to it must miss, not replay the old one).
+  device's kind and CPU capability, torch and Python, the graph's tag, what the graph function closes over
+  (:func:`closure_fingerprint`: K, modes, flags) and a digest of every source file of the package (the saved
+  bytecode is the traced code: any change to it must miss, not replay the old one).
 - The graph closes over the model; its modules are passed in as external data at save and load, so a loaded graph
   reads the weights of the model it serves (never a copy).
 - Guards kept are the portable ones (tensor metadata of the arguments, dynamic-shape relations, global state): the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import logging
 import pickle
 from pathlib import Path
@@ -77,6 +79,41 @@ def traced_code_digest() -> str:
     return h.hexdigest()[:24]
 
 
+_SCALARS = (int, float, str, bool, bytes, type(None), torch.dtype, torch.device)
+
+
+def closure_fingerprint(obj: Any, depth: int = 0, seen: set[int] | None = None) -> str:
+    """What a graph function closes over, as text stable across processes: its code's name, and recursively the
+    values of its closure cells and defaults (ints, flags, modes; nested functions and the objects holding them).
+    Modules and tensors count by kind and shape only: the model config in the key covers them. Two graph
+    functions from one factory with different settings (K, a mode, a flag such as ``keep_hidden``) differ here,
+    so their saved graphs never share a key."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, _SCALARS):
+        return repr(obj)
+    if isinstance(obj, torch.nn.Module):
+        return f"module {type(obj).__qualname__}"
+    if isinstance(obj, torch.Tensor):
+        return f"tensor {obj.dtype} {tuple(obj.shape)}"
+    if id(obj) in seen or depth > 8:
+        return f"<{type(obj).__qualname__}>"
+    seen.add(id(obj))
+    rec = functools.partial(closure_fingerprint, depth=depth + 1, seen=seen)
+    if isinstance(obj, (tuple, list)):
+        return "[" + ",".join(map(rec, obj)) + "]"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{rec(k)}:{rec(v)}" for k, v in sorted(obj.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if inspect.ismethod(obj):
+        return f"method {rec(obj.__func__)} of {rec(obj.__self__)}"
+    if inspect.isfunction(obj):
+        cells = [rec(c.cell_contents) for c in obj.__closure__ or ()]
+        return (f"fn {obj.__module__}.{obj.__code__.co_qualname}({','.join(obj.__code__.co_freevars)}="
+                f"{','.join(cells)}; defaults {rec(obj.__defaults__)} {rec(obj.__kwdefaults__)})")
+    state = vars(obj) if hasattr(obj, "__dict__") else {
+        name: getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name)}
+    return f"{type(obj).__module__}.{type(obj).__qualname__}{rec(state)}"
+
+
 def device_capability(device: torch.device) -> str:
     """What compiled kernels depend on besides the device kind: the CPU's vector ISA, a GPU's name and capability."""
     if device.type == "cpu":
@@ -100,13 +137,16 @@ class GraphStore:
     loaded: int = 0
     compiled: int = 0
 
-    def key(self, tag: str) -> CacheKey:
-        return dataclasses.replace(self.base_key, what=f"graph.{tag}"[:64], graph_code=traced_code_digest())
+    def key(self, tag: str, closure: str = "") -> CacheKey:
+        """``closure``: the graph function's :func:`closure_fingerprint` (its digest goes into the key)."""
+        options = {**self.base_key.backend_options,
+                   "closure": hashlib.sha256(closure.encode()).hexdigest()[:24]}
+        return dataclasses.replace(self.base_key, what=f"graph.{tag}"[:64], graph_code=traced_code_digest(),
+                                   backend_options=options)
 
-    def read(self, tag: str) -> dict[str, Any] | None:
-        """The stored ``{"variants": [bytes], "findings": [...]}`` of ``tag``; None on a miss (a bad entry warns
+    def read(self, key: CacheKey) -> dict[str, Any] | None:
+        """The stored ``{"variants": [bytes], "findings": [...]}`` under ``key``; None on a miss (a bad entry warns
         once and is removed)."""
-        key = self.key(tag)
         path = self.cache.path_for(key)
         try:
             blob = path.read_bytes()
@@ -127,13 +167,12 @@ class GraphStore:
             return None
         return stored
 
-    def write(self, tag: str, variants: list[bytes], findings: list[HostOp]) -> None:
-        key = self.key(tag)
+    def write(self, key: CacheKey, variants: list[bytes], findings: list[HostOp]) -> None:
         payload = pickle.dumps({"variants": variants, "findings": [dataclasses.asdict(f) for f in findings]})
         _atomic_write(self.cache.path_for(key), encode_entry(key, payload, variants=len(variants)))
 
-    def reject(self, tag: str, reason: str) -> None:
-        self.cache._reject(self.cache.path_for(self.key(tag)), reason)
+    def reject(self, key: CacheKey, reason: str) -> None:
+        self.cache._reject(self.cache.path_for(key), reason)
 
 
 def _deserialize(data: bytes, f_globals: dict[str, object], external: dict[str, object]) -> Any:
@@ -188,18 +227,20 @@ class AotGraph:
         self._saved: list[bytes] = []
         self._findings: list[HostOp] = []
         self._loaded = False
+        self.key: CacheKey | None = None  # known once the first call loads
         self.__name__ = tag
 
     def _load(self) -> None:
         self._loaded = True
-        stored = self.store.read(self.tag)
+        self.key = self.store.key(self.tag, closure_fingerprint(self.fn))
+        stored = self.store.read(self.key)
         if stored is None:
             return
         try:
             variants = [_deserialize(data, self.fn.__globals__, self.store.external) for data in stored["variants"]]
             findings = [HostOp(**f) for f in stored.get("findings", [])]
         except Exception as exc:  # noqa: BLE001 - whatever torch raises, the answer is "recompile"
-            self.store.reject(self.tag, f"torch could not load it ({exc.__class__.__name__}: {exc})")
+            self.store.reject(self.key, f"torch could not load it ({exc.__class__.__name__}: {exc})")
             return
         self.lint.report(findings, self.tag)  # as at compile: strict refuses, else counted
         self.variants, self._saved, self._findings = variants, list(stored["variants"]), findings
@@ -221,7 +262,7 @@ class AotGraph:
             from torch._dynamo.aot_compile import AOTCompiledFunction
 
             self._saved.append(AOTCompiledFunction.serialize(variant, self.store.external).serialized_data)
-            self.store.write(self.tag, self._saved, self._findings)
+            self.store.write(self.key, self._saved, self._findings)
         except Exception as exc:  # noqa: BLE001 - a graph that cannot be saved still runs
             log.warning("compiled graph %s not saved (%s: %s); the next start compiles it again", self.tag,
                         type(exc).__name__, exc)
