@@ -37,7 +37,7 @@ from .config import EngineConfig
 from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
-from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability
+from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph, warm_widths
 from .graph.mla_kernels import live_blocks
@@ -158,7 +158,7 @@ class ModelRunner:
         # Graphs saved whole where the backend can load them without tracing (CPU inductor)
         self.graph_store: GraphStore | None = None
         if self.compile_cache is not None and device.type == "cpu" and aot_available():
-            self.graph_store = GraphStore(self.compile_cache, self.cache_key("graphs"), external={"model": model})
+            self.graph_store = GraphStore(self.compile_cache, self.cache_key("graphs"), external=module_refs(model))
             self.backend.store = self.graph_store
         model.use_backend(self.backend)
         model.set_compile_regions(getattr(self.backend, "compile_regions", False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -101,7 +102,9 @@ def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
         assert torch.equal(_graph(store)(x, w), _affine(x, w))
         print(store.loaded, store.compiled)
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+    # an empty inductor working cache too: a saved graph carries what it needs (a cleared /tmp loses nothing)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "another-inductor-dir")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=Path(__file__).resolve().parent.parent)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-2:] == ["1", "0"], run.stdout

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .base import DynamicDims, GraphFn
-from .compile_cache import BadEntry, CacheKey, CompileCache, _atomic_write, decode_entry, encode_entry
+from .compile_cache import BadEntry, CacheKey, CompileCache, atomic_write, decode_entry, encode_entry
 from .guards import keep_input_guards
 from .lint import GraphLint, HostOp
 
@@ -51,7 +51,7 @@ _STANCE_REFUSAL = "Detected recompile when torch.compile stance is 'fail_on_reco
 
 def aot_available() -> bool:
     """Torch offers AOT compilation with loadable artifacts (2.10+)."""
-    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo, "aot_compile")
+    return all(hasattr(torch.compiler, name) for name in ("load_compiled_function", "keep_portable_guards_unsafe"))
 
 
 def keep_portable_input_guards(entries: Any) -> list[bool]:
@@ -131,7 +131,7 @@ class GraphStore:
     cache: CompileCache
     #: the key every graph of this engine shares (the tag goes into ``what``)
     base_key: CacheKey
-    #: objects the graphs close over that must not be pickled (the model): name -> object
+    #: objects the graphs close over that must not be pickled (the model and each of its submodules, by name)
     external: dict[str, object]
     #: counters for the warm-up report
     loaded: int = 0
@@ -153,26 +153,31 @@ class GraphStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self.cache._reject(path, f"unreadable ({exc})")
+            self.cache.discard(path, f"unreadable ({exc})")
             return None
         try:
             stored = pickle.loads(decode_entry(blob, key))
             if not isinstance(stored, dict) or not isinstance(stored.get("variants"), list):
                 raise BadEntry("unreadable payload (allowed: a dict with a list of variants)")
         except BadEntry as exc:
-            self.cache._reject(path, str(exc))
+            self.cache.discard(path, str(exc))
             return None
         except Exception as exc:  # noqa: BLE001 - a payload that does not un-pickle is a miss
-            self.cache._reject(path, f"unreadable payload ({exc.__class__.__name__}: {exc})")
+            self.cache.discard(path, f"unreadable payload ({exc.__class__.__name__}: {exc})")
             return None
         return stored
 
     def write(self, key: CacheKey, variants: list[bytes], findings: list[HostOp]) -> None:
         payload = pickle.dumps({"variants": variants, "findings": [dataclasses.asdict(f) for f in findings]})
-        _atomic_write(self.cache.path_for(key), encode_entry(key, payload, variants=len(variants)))
+        atomic_write(self.cache.path_for(key), encode_entry(key, payload, variants=len(variants)))
 
     def reject(self, key: CacheKey, reason: str) -> None:
-        self.cache._reject(self.cache.path_for(key), reason)
+        self.cache.discard(self.cache.path_for(key), reason)
+
+
+def module_refs(model: torch.nn.Module) -> dict[str, object]:
+    """The model and every submodule by path: what a graph may close over, passed by reference at save and load."""
+    return {"model" + (f".{name}" if name else ""): module for name, module in model.named_modules()}
 
 
 def _deserialize(data: bytes, f_globals: dict[str, object], external: dict[str, object]) -> Any:
@@ -201,13 +206,6 @@ def _stance_refuses() -> bool:
     from torch._dynamo.eval_frame import _stance
 
     return getattr(_stance, "stance", "default") == "fail_on_recompile"
-
-
-def _count_compile() -> None:
-    """A variant counts as one compiled graph, as a Dynamo compile does (``engine.dynamo_compile_count``)."""
-    from torch._dynamo.utils import counters
-
-    counters["stats"]["unique_graphs"] += 1
 
 
 class AotGraph:
@@ -253,8 +251,8 @@ class AotGraph:
         if self.dims is not None:
             self._mark(example, self.dims)
         before = len(self.lint.findings)
+        # Dynamo's capture counts it as a compile (``engine.dynamo_compile_count``), as any other
         variant = self._make_compiled(self.fn).aot_compile((example, {}))
-        _count_compile()
         self.store.compiled += 1
         self.variants.append(variant)
         self._findings += self.lint.findings[before:]
@@ -273,6 +271,14 @@ class AotGraph:
         if not self._loaded:
             self._load()
         for variant in self.variants:
-            if variant.guard_check(*args):
+            if _accepts(variant, args):
                 return variant(*args)
         return self._compile(args)(*args)
+
+
+def _accepts(variant: Any, args: tuple[Any, ...]) -> bool:
+    """The variant's guards pass on ``args``; a guard that cannot be evaluated on them is a mismatch, as in Dynamo."""
+    try:
+        return bool(variant.guard_check(*args))
+    except Exception:  # noqa: BLE001 - e.g. an attribute a guard reads is missing on these arguments
+        return False

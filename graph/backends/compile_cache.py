@@ -314,17 +314,17 @@ class CompileCache:
             log.info("compile cache: no entry for %s (%s)", key.what, key.digest)
             return False
         except OSError as exc:
-            return self._reject(path, f"unreadable ({exc})")
+            return self.discard(path, f"unreadable ({exc})")
         try:
             payload = decode_entry(blob, key)
         except BadEntry as exc:
-            return self._reject(path, str(exc))
+            return self.discard(path, str(exc))
         try:
             info = _load_artifacts(payload)
         except Exception as exc:  # noqa: BLE001 - whatever torch raises, the answer is "recompile"
-            return self._reject(path, f"torch could not load its artifacts ({exc.__class__.__name__}: {exc})")
+            return self.discard(path, f"torch could not load its artifacts ({exc.__class__.__name__}: {exc})")
         if info is None:
-            return self._reject(path, "torch could not load its artifacts (un-pickling failed)")
+            return self.discard(path, "torch could not load its artifacts (un-pickling failed)")
         log.info("compile cache: loaded %s (%s, %d bytes)", key.what, path, len(blob))
         return True
 
@@ -340,7 +340,7 @@ class CompileCache:
         path = self.path_for(key)
         if self._holds(path, key, payload):
             return path  # a warm run that compiled nothing new: keep the file as it is
-        _atomic_write(path, encode_entry(key, payload))
+        atomic_write(path, encode_entry(key, payload))
         log.info("compile cache: saved %s (%s, %d bytes)", key.what, path, len(payload))
         return path
 
@@ -377,7 +377,7 @@ class CompileCache:
         except (OSError, BadEntry):
             return False
 
-    def _reject(self, path: Path, reason: str) -> bool:
+    def discard(self, path: Path, reason: str) -> bool:
         log.warning("compile cache: ignoring and removing %s: %s; compiling instead", path, reason)
         with contextlib.suppress(OSError):
             path.unlink()
@@ -423,7 +423,7 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.disabled = previous
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """tmp file (0600, same folder) + fsync + os.replace: readers see the old entry or the new, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=_TMP_SUFFIX)
     try:
