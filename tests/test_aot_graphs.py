@@ -46,7 +46,7 @@ def _graph(store: GraphStore):
     return backend.compile(clone_with_name(_affine, "unit_affine"), "unit_affine", DynamicDims(batch=(0,)))
 
 
-def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_path: Path) -> None:
+def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_path: Path, caplog) -> None:
     store = _store(tmp_path)
     graph = _graph(store)
     w = torch.randn(3, 4)
@@ -74,6 +74,15 @@ def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_pa
     torch.testing.assert_close(reloaded(xd, wd), _affine(xd, wd))
     assert (fresh.loaded, fresh.compiled) == (2, 0)
     assert dynamo_compile_count() == before
+    # a call no stored variant accepts compiles one more, with one warning (a guard failure, not a crash)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            xh, wh = torch.randn(4, 3, dtype=torch.float16), torch.randn(3, 4, dtype=torch.float16)
+            torch.testing.assert_close(reloaded(xh, wh), _affine(xh, wh))
+    assert fresh.compiled == 1
+    assert [r.getMessage() for r in caplog.records].count(
+        "saved graph unit_affine: no stored variant accepts these arguments (a shape or dtype it was not compiled "
+        "for); compiling one and adding it to the cache") == 1
 
 
 def test_graph_functions_of_other_settings_never_share_a_key() -> None:

@@ -225,6 +225,9 @@ class AotGraph:
         self._saved: list[bytes] = []
         self._findings: list[HostOp] = []
         self._loaded = False
+        #: variants came from disk (a miss then is a guard failure, worth a warning; on a cold start it is not)
+        self.store_loaded = False
+        self._warned = False
         self.key: CacheKey | None = None  # known once the first call loads
         self.__name__ = tag
 
@@ -243,10 +246,15 @@ class AotGraph:
         self.lint.report(findings, self.tag)  # as at compile: strict refuses, else counted
         self.variants, self._saved, self._findings = variants, list(stored["variants"]), findings
         self.store.loaded += len(variants)
+        self.store_loaded = True
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         if self.variants and _stance_refuses():
             raise RuntimeError(f"{_STANCE_REFUSAL}: graph {self.tag!r} has no variant for these arguments")
+        if self.store_loaded and not self._warned:
+            self._warned = True
+            log.warning("saved graph %s: no stored variant accepts these arguments (a shape or dtype it was not "
+                        "compiled for); compiling one and adding it to the cache", self.tag)
         example = _unmarked(args, self.dims)
         if self.dims is not None:
             self._mark(example, self.dims)
