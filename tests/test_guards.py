@@ -8,7 +8,7 @@ from torch import nn
 from ascend_spec.engine import Engine
 from ascend_spec.graph.backends import get_backend, guards
 from ascend_spec.graph.backends.guards import GLOBAL_STATE_GUARDS, keep_input_guards
-from ascend_spec.graph.backends import aot_graphs, inductor
+from ascend_spec.graph.backends import inductor
 
 from .conftest import inductor_config
 
@@ -26,16 +26,12 @@ def _recording(kept: list[list[tuple[str, str, bool]]]):
     return record
 
 
-@pytest.mark.parametrize("path", ["dynamo", "saved-whole"])
-def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, monkeypatch, tmp_path, path):
+def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, monkeypatch):
     kept: list[list[tuple[str, str, bool]]] = []
-    # the backend takes the module's filter when the engine builds it: record what that filter keeps
-    if path == "dynamo":  # Dynamo's own cache: no graph store
-        monkeypatch.setenv("ASCEND_SPEC_DISABLE_COMPILE_CACHE", "1")
-        monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
-    else:  # graphs saved whole (an empty store: every graph compiles), the portable subset of the same filter
-        monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path))
-        monkeypatch.setattr(aot_graphs, "keep_input_guards", _recording(kept))
+    # the backend takes the module's filter when the engine builds it: record what that filter keeps. Dynamo's own
+    # dispatch (no graph store); graphs saved whole keep a subset of the same (aot_graphs.keep_portable_input_guards)
+    monkeypatch.setenv("ASCEND_SPEC_DISABLE_COMPILE_CACHE", "1")
+    monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
     from ascend_spec.graph.weights import load_model
 
     # test_fused_step's engine: Dynamo traces (and filters) anew; in the suite, inductor's cache has its graphs
