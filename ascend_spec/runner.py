@@ -259,7 +259,9 @@ class ModelRunner:
             if first:
                 self._warmup_prefill(report, progress)
         if store is not None and before is not None:
-            hit = store.compiled == before[1] if store.loaded > before[0] or store.compiled > before[1] else None
+            loaded, compiled = store.loaded - before[0], store.compiled - before[1]
+            # a hit: every graph this warm-up needed came from the cache (None: it needed none, all were live)
+            hit = compiled == 0 if loaded or compiled else None
         report.cache_hit = hit
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
