@@ -250,7 +250,7 @@ class ModelRunner:
         cached = (self.compile_cache.around_warmup(self.cache_key(what))
                   if self.compile_cache is not None and self.graph_store is None else nullcontext(None))
         store = self.graph_store
-        before = (store.loaded, store.compiled) if store is not None else None
+        before = (store.loaded, store.compiled) if store is not None else (0, 0)
         with torch.no_grad(), cached as hit:
             if self.cfg.fused_step:
                 self._warmup_fused(report, progress, modes, logprobs)
@@ -258,7 +258,7 @@ class ModelRunner:
                 self._warmup_step_by_step(report, progress)
             if first:
                 self._warmup_prefill(report, progress)
-        if store is not None and before is not None:
+        if store is not None:
             loaded, compiled = store.loaded - before[0], store.compiled - before[1]
             # a hit: every graph this warm-up needed came from the cache (None: it needed none, all were live)
             hit = compiled == 0 if loaded or compiled else None

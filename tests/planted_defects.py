@@ -125,7 +125,7 @@ def aot_ignores_guards() -> None:
     from ascend_spec.graph.backends.aot_graphs import AotGraph
 
     def call(self, *args):
-        if not self._loaded:
+        if self.key is None:
             self._load()
         if self.variants:
             return self.variants[0](*args)  # the defect: no guard check

@@ -147,11 +147,11 @@ def test_graph_code_digest_follows_the_sources(tmp_path: Path) -> None:
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "sub" / "b.py").write_text("y = 2\n")
-    before = cc._digest_sources(tmp_path)
-    assert cc._digest_sources(tmp_path) == before
+    before = cc.digest_sources(tmp_path)
+    assert cc.digest_sources(tmp_path) == before
     (tmp_path / "sub" / "b.py").write_text("y = 3\n")
-    assert cc._digest_sources(tmp_path) != before
-    assert graph_code_digest() == cc._digest_sources(Path(cc.__file__).resolve().parent.parent)
+    assert cc.digest_sources(tmp_path) != before
+    assert graph_code_digest() == cc.digest_sources(Path(cc.__file__).resolve().parent.parent)
 
 
 # --------------------------------------------------------------------------- save / load

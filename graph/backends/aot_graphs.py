@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .base import DynamicDims, GraphFn
-from .compile_cache import BadEntry, CacheKey, CompileCache, atomic_write, decode_entry, encode_entry
+from .compile_cache import BadEntry, CacheKey, CompileCache, atomic_write, digest_sources, encode_entry
 from .guards import keep_input_guards
 from .lint import GraphLint, HostOp
 
@@ -69,14 +69,8 @@ def _package_sources() -> list[Path]:
 @functools.cache
 def traced_code_digest() -> str:
     """sha256 over the sources a graph's trace can reach (the graph package and the engine's step code)."""
-    h = hashlib.sha256()
-    for folder in _package_sources():
-        if not folder.is_dir():
-            continue
-        for path in sorted(folder.rglob("*.py"), key=lambda p: p.relative_to(folder).as_posix()):
-            h.update(folder.name.encode() + b"/" + path.relative_to(folder).as_posix().encode() + b"\0")
-            h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()[:24]
+    digests = [f"{folder.name}:{digest_sources(folder)}" for folder in _package_sources() if folder.is_dir()]
+    return hashlib.sha256(";".join(digests).encode()).hexdigest()[:24]
 
 
 _SCALARS = (int, float, str, bool, bytes, type(None), torch.dtype, torch.device)
@@ -147,23 +141,16 @@ class GraphStore:
     def read(self, key: CacheKey) -> dict[str, Any] | None:
         """The stored ``{"variants": [bytes], "findings": [...]}`` under ``key``; None on a miss (a bad entry warns
         once and is removed)."""
-        path = self.cache.path_for(key)
-        try:
-            blob = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            self.cache.discard(path, f"unreadable ({exc})")
+        payload = self.cache.read_payload(key)
+        if payload is None:
             return None
         try:
-            stored = pickle.loads(decode_entry(blob, key))
-            if not isinstance(stored, dict) or not isinstance(stored.get("variants"), list):
-                raise BadEntry("unreadable payload (allowed: a dict with a list of variants)")
-        except BadEntry as exc:
-            self.cache.discard(path, str(exc))
-            return None
+            stored = pickle.loads(payload)
         except Exception as exc:  # noqa: BLE001 - a payload that does not un-pickle is a miss
-            self.cache.discard(path, f"unreadable payload ({exc.__class__.__name__}: {exc})")
+            self.reject(key, f"unreadable payload ({exc.__class__.__name__}: {exc})")
+            return None
+        if not isinstance(stored, dict) or not isinstance(stored.get("variants"), list):
+            self.reject(key, "unreadable payload (allowed: a dict with a list of variants)")
             return None
         return stored
 
@@ -224,15 +211,13 @@ class AotGraph:
         self.variants: list[Any] = []
         self._saved: list[bytes] = []
         self._findings: list[HostOp] = []
-        self._loaded = False
         #: variants came from disk (a miss then is a guard failure, worth a warning; on a cold start it is not)
         self.store_loaded = False
         self._warned = False
-        self.key: CacheKey | None = None  # known once the first call loads
+        self.key: CacheKey | None = None  # set by the first call, which loads
         self.__name__ = tag
 
     def _load(self) -> None:
-        self._loaded = True
         self.key = self.store.key(self.tag, closure_fingerprint(self.fn))
         stored = self.store.read(self.key)
         if stored is None:
@@ -276,7 +261,7 @@ class AotGraph:
         return variant
 
     def __call__(self, *args: Any) -> Any:
-        if not self._loaded:
+        if self.key is None:
             self._load()
         for variant in self.variants:
             if _accepts(variant, args):

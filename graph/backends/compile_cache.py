@@ -141,7 +141,7 @@ def check_private_dir(path: Path) -> None:
 # --------------------------------------------------------------------------- the key
 
 
-def _digest_sources(folder: Path) -> str:
+def digest_sources(folder: Path) -> str:
     h = hashlib.sha256()
     for path in sorted(folder.rglob("*.py"), key=lambda p: p.relative_to(folder).as_posix()):
         h.update(path.relative_to(folder).as_posix().encode() + b"\0")
@@ -152,7 +152,7 @@ def _digest_sources(folder: Path) -> str:
 @functools.cache
 def graph_code_digest() -> str:
     """sha256 over the sources of the ``ascend_spec.graph`` package: any change to a graph invalidates entries."""
-    return _digest_sources(Path(__file__).resolve().parent.parent)
+    return digest_sources(Path(__file__).resolve().parent.parent)
 
 
 def _torch_version() -> str:
@@ -305,27 +305,36 @@ class CompileCache:
         os.environ[INDUCTOR_ENV] = str(ensure_private_dir(self.inductor_dir))
         return self.inductor_dir
 
-    def load(self, key: CacheKey) -> bool:
-        """Hot-load the artifacts saved for ``key`` into torch's caches; False (the caller compiles) on a miss."""
+    def read_payload(self, key: CacheKey) -> bytes | None:
+        """The checked payload of ``key``'s entry; None on a miss (a bad entry warns once and is removed)."""
         path = self.path_for(key)
         try:
             blob = path.read_bytes()
         except FileNotFoundError:
             log.info("compile cache: no entry for %s (%s)", key.what, key.digest)
-            return False
+            return None
         except OSError as exc:
-            return self.discard(path, f"unreadable ({exc})")
+            self.discard(path, f"unreadable ({exc})")
+            return None
         try:
-            payload = decode_entry(blob, key)
+            return decode_entry(blob, key)
         except BadEntry as exc:
-            return self.discard(path, str(exc))
+            self.discard(path, str(exc))
+            return None
+
+    def load(self, key: CacheKey) -> bool:
+        """Hot-load the artifacts saved for ``key`` into torch's caches; False (the caller compiles) on a miss."""
+        payload = self.read_payload(key)
+        if payload is None:
+            return False
+        path = self.path_for(key)
         try:
             info = _load_artifacts(payload)
         except Exception as exc:  # noqa: BLE001 - whatever torch raises, the answer is "recompile"
             return self.discard(path, f"torch could not load its artifacts ({exc.__class__.__name__}: {exc})")
         if info is None:
             return self.discard(path, "torch could not load its artifacts (un-pickling failed)")
-        log.info("compile cache: loaded %s (%s, %d bytes)", key.what, path, len(blob))
+        log.info("compile cache: loaded %s (%s, %d bytes)", key.what, path, len(payload))
         return True
 
     def save(self, key: CacheKey) -> Path | None:
