@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--fixed-k", action="store_true",
                    help="draft num_speculative_tokens every step (compiles one graph instead of K + 1)")
     g.set_defaults(fixed_k=False)
+    g.add_argument("--compile-all", action="store_true",
+                   help="compile every graph the run may replay before the first token (every K adaptive K may "
+                        "pick, the lone-request graphs); default: what the first steps run, the rest when needed")
     g.add_argument("--step-by-step", action="store_true",
                    help="run target, sampling and drafting as separate calls instead of one fused graph per step")
     g.add_argument("--graph-failure", choices=list(GRAPH_FAILURE_POLICIES), default=None,
@@ -118,7 +121,8 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
                         graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
-                        adaptive_k=not args.fixed_k, graph_failure=args.graph_failure, **kwargs)
+                        adaptive_k=not args.fixed_k, warm_graphs="all" if args.compile_all else "first",
+                        graph_failure=args.graph_failure, **kwargs)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -166,7 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
     engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)
     # A bar on stderr while graphs compile; --json keeps stdout clean either way.
-    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json)
+    batch = min(cfg.max_num_seqs, len(prompts))
+    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json, first_batch=batch, max_batch=batch)
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
                                               seed=args.seed)
     tokens_per_s = stats.generated_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
@@ -190,6 +195,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "graph_failures": stats.graph_failures,
             "graph_host_ops": stats.graph_host_ops,
             "recompiles_after_warmup": stats.recompiles_after_warmup,
+            "deferred_compiles": stats.deferred_compiles,
+            "deferred_compile_seconds": round(stats.deferred_compile_seconds, 2),
             "graphs_compiled": stats.graphs_compiled,
             "compile_seconds": round(stats.compile_seconds, 2),
             # measured on fused steps only (the step-by-step path interleaves host work with its graph calls)

@@ -160,6 +160,8 @@ class TorchairGraphConfig:
         return default_graph_batch_sizes(max_num_seqs)
 
 
+#: EngineConfig.warm_graphs: every graph at start-up, or what the first steps run
+WARM_GRAPHS = ("all", "first")
 #: largest KV block size the engine takes (vllm-ascend's MLA kernel block is 128)
 MAX_BLOCK_SIZE = 1024
 
@@ -184,6 +186,11 @@ class EngineConfig:
     #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
     #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``)
     adaptive_k: bool = True
+    #: what warm-up compiles: ``all`` every graph a run may replay (every K adaptive K may pick, the lone-request
+    #: graphs); ``first`` what the first steps run (K_max, which drafts while acceptance is learned, and K = 0, the
+    #: fallback; the lone-request graphs when the first batch is one request): the K values between are compiled
+    #: when adaptive K first picks one (``ascend-spec generate``'s default)
+    warm_graphs: str = "all"
     #: a compiled graph that fails, or needs the host (graph lint): ``eager`` reruns the step eagerly and counts it,
     #: ``raise`` raises; None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (``ascend_spec.graph.backends.base``)
     graph_failure: str | None = None
@@ -202,6 +209,8 @@ class EngineConfig:
                               "(16: vLLM CPU_MLA, 64: FlashMLA, 128: vllm-ascend MLA)")
         if self.kv_layout not in LAYOUTS:
             raise ConfigError(f"kv_layout={self.kv_layout!r}; allowed: {list(LAYOUTS)}")
+        if self.warm_graphs not in WARM_GRAPHS:
+            raise ConfigError(f"warm_graphs={self.warm_graphs!r}; allowed: {list(WARM_GRAPHS)}")
         if self.graph_failure is not None and self.graph_failure not in GRAPH_FAILURE_POLICIES:
             raise ConfigError(f"graph_failure={self.graph_failure!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
 

@@ -18,7 +18,7 @@ from .graph.backends import Backend
 from .graph.model import DeepseekV3ForCausalLM
 from .kv_cache import BlockManager, KVCaches
 from .metrics import RunStats, SpecMetrics
-from .runner import ModelRunner, StepOutput, WarmupReport
+from .runner import ModelRunner, StepOutput, WarmupReport, dynamo_compile_count
 from .sampling import SamplingParams, make_generator
 from .scheduler import AcceptanceTracker, Scheduler, Sequence
 
@@ -32,13 +32,6 @@ class RequestOutput:
     finish_reason: str
     #: one {token_id: logprob} per generated token (top-N plus the sampled token) when asked for
     logprobs: list[dict[int, float]] | None = None
-
-
-def dynamo_compile_count() -> int:
-    """Graphs Dynamo has compiled in this process (each recompile of a frame counts once)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
 
 
 class Engine:
@@ -99,14 +92,17 @@ class Engine:
         self.runner.force_k = k
 
     # -- warm-up ----------------------------------------------------------------------------------
-    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,), logprobs: bool = False
-               ) -> WarmupReport:
-        """Compile every graph a run with these sampling ``modes`` (and ``logprobs``) replays (see
-        :meth:`ModelRunner.warmup`); ``generate`` warms what its requests need on its own."""
+    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,), logprobs: bool = False,
+               lone: bool = False, batched: bool = True) -> WarmupReport:
+        """Compile the graphs a run with these sampling ``modes`` (and ``logprobs``) replays (see
+        :meth:`ModelRunner.warmup`; ``lone``: its first batch is one request, ``batched``: batches of several
+        come); ``generate`` warms what its requests need on its own."""
         new = tuple(m for m in modes if (m, logprobs) not in self._warm_modes)
         report = WarmupReport()
-        if new:
-            report = self.runner.warmup(progress=progress, modes=new or modes, logprobs=logprobs)
+        runner = self.runner
+        if new or lone and not runner.lone_warm or batched and not runner.batched_warm:
+            report = runner.warmup(progress=progress, modes=new or modes, logprobs=logprobs, lone=lone,
+                                   batched=batched)
             self._warm_modes.update((m, logprobs) for m in (new or modes))
             self._compiles_at_warmup = dynamo_compile_count()
             self._pending_report = report
@@ -115,15 +111,19 @@ class Engine:
     def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
         return self.runner.time_step(bucket, k, context, repeats)
 
-    def warmup_for(self, params: list[SamplingParams], progress: bool = False) -> WarmupReport:
+    def warmup_for(self, params: list[SamplingParams], progress: bool = False, first_batch: int | None = None,
+                   max_batch: int | None = None) -> WarmupReport:
         """Warm the graphs these requests will replay (nothing for what is already warm): greedy always (a batch
-        turns greedy when its random requests finish), random sampling and logprobs graphs when asked for."""
+        turns greedy when its random requests finish), random sampling and logprobs graphs when asked for; the
+        lone-request graphs when the first batch (``first_batch`` requests) is one, batch graphs unless no batch
+        holds more than one (``max_batch``; see ``EngineConfig.warm_graphs``)."""
         if self.backend_name == "eager":
             return WarmupReport()
         modes = (GREEDY, RANDOM) if any(not p.is_greedy for p in params) else (GREEDY,)
-        report = self.warmup(progress=progress, modes=modes, logprobs=False)
+        rows = {"lone": first_batch == 1, "batched": max_batch is None or max_batch > 1}
+        report = self.warmup(progress=progress, modes=modes, logprobs=False, **rows)
         if any(p.logprobs is not None for p in params):
-            more = self.warmup(progress=progress, modes=modes, logprobs=True)
+            more = self.warmup(progress=progress, modes=modes, logprobs=True, **rows)
             report = WarmupReport(report.graphs_compiled + more.graphs_compiled,
                                   report.compile_seconds + more.compile_seconds,
                                   {**report.seconds_by_graph, **more.seconds_by_graph})
@@ -167,7 +167,8 @@ class Engine:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.cfg.max_num_seqs:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}; allowed: an int in 1..{self.cfg.max_num_seqs} "
                              "(the engine's max_num_seqs)")
-        self.warmup_for(params)
+        first = [a for a in arrivals if a == min(arrivals)]
+        self.warmup_for(params, first_batch=min(limit, len(first)), max_batch=min(limit, len(prompts)))
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
         sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k, self.eos_token_id)
@@ -179,6 +180,7 @@ class Engine:
             self._pending_report = None
         metrics = SpecMetrics(self.k) if self.k else None
         compiles_before = dynamo_compile_count()
+        deferred_before = (self.runner.deferred_compiles, self.runner.deferred_seconds)
         failures_before = self.runner.graph_failures()
         start = time.perf_counter()
         while not sched.done:
@@ -212,8 +214,11 @@ class Engine:
         stats.k_by_bucket = self.runner.end_run()
         stats.graph_failures = self.runner.graph_failures() - failures_before
         stats.graph_host_ops = len(self.backend.lint.findings)
-        if self._warm_modes:
-            stats.recompiles_after_warmup = dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
+        stats.deferred_compiles = self.runner.deferred_compiles - deferred_before[0]
+        stats.deferred_compile_seconds = self.runner.deferred_seconds - deferred_before[1]
+        if self._warm_modes:  # the graphs warm-up deferred to their first use are planned compiles, not recompiles
+            stats.recompiles_after_warmup = (dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
+                                             - stats.deferred_compiles)
         outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]
         return outputs, stats, metrics
 

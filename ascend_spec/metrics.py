@@ -77,6 +77,10 @@ class RunStats:
     graph_host_ops: int = 0
     #: graphs Dynamo compiled during the run after warm-up (0 when every path replays warm graphs)
     recompiles_after_warmup: int = 0
+    #: graphs warm-up deferred (``warm_graphs: first``) that the run compiled when a step first needed them, and
+    #: the seconds those compiles took (the steps waited on them)
+    deferred_compiles: int = 0
+    deferred_compile_seconds: float = 0.0
     preemptions: int = 0
     #: warm-up: graphs compiled and the seconds it took (0 when already warm)
     graphs_compiled: int = 0

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK
+from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK, interpolated_costs
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
@@ -52,6 +52,14 @@ from .sync_counter import HostSyncCounter, suspended_if_compiled
 from .torchair_proposer import MtpTorchairProposer
 
 logger = logging.getLogger(__name__)
+
+
+def dynamo_compile_count() -> int:
+    """Graphs Dynamo has compiled in this process (each recompile of a frame counts once)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
 
 #: padded tokens one eager prefill forward takes (requests admitted together share forwards up to this)
 PREFILL_TOKENS = 4096
@@ -193,10 +201,32 @@ class ModelRunner:
         #: when the last fused step ended (None: none yet in this run, or a step-by-step one came between)
         self._last_step_end: float | None = None
         self._prefill_warm = False
+        first = cfg.warm_graphs == "first" and self.backend.name != "eager"
+        #: fused-step K values whose graphs warm-up leaves for their first use (``warm_graphs: first``)
+        self._deferred: set[int] = set(range(1, self.k)) if first and cfg.adaptive_k and cfg.fused_step else set()
+        #: lone-request (one-row) graphs and batch graphs warm, or compiled on first use (``warm_graphs: all``)
+        self._lone = self._batched = not first
+        #: (sampling mode, logprobs) pairs the fused path was warmed for, and the (rows, K, mode, logprobs) graphs
+        self._warm_modes: list[tuple[str, bool]] = []
+        self._warm_graphs: set[tuple[int, int, str, bool]] = set()
+        self._progress = False
+        #: Dynamo graphs the deferred compiles made (planned, not recompiles), and their seconds
+        self.deferred_compiles = 0
+        self.deferred_seconds = 0.0
         self._pending_drafts: dict[int, list[int]] = {}
         #: per request, its K = 0 steps since it last drafted: (the step's hidden states [rows, D], its row)
         self._undrafted: dict[int, deque[tuple[torch.Tensor, int]]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
+
+    @property
+    def lone_warm(self) -> bool:
+        """A lone request runs its own one-row graphs (warm, or compiled on first use with ``warm_graphs: all``)."""
+        return self._lone
+
+    @property
+    def batched_warm(self) -> bool:
+        """Batches of several requests have their graphs (warm, or compiled on first use: ``warm_graphs: all``)."""
+        return self._batched
 
     @property
     def step_seconds(self) -> dict[int, dict[int, float]]:
@@ -225,8 +255,9 @@ class ModelRunner:
         bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
         K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its one-
         and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
-        ``min_batch``."""
-        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes:
+        ``min_batch``, and so does a lone request where warm-up left its graphs out (``warm_graphs: first`` and a
+        first batch of several: a draining queue's last request)."""
+        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes and self._lone:
             return 1
         return self.target_graph.bucket_for(batch)
 
@@ -236,12 +267,19 @@ class ModelRunner:
 
     # -- warm-up ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,),
-               logprobs: bool = False) -> WarmupReport:
-        """Compile every graph a run with sampling ``modes`` (and ``logprobs``) replays: the fused step per K
-        (every K in 0..K_max when ``adaptive_k``, then timed) — per batch bucket only where the backend compiles
-        per shape — or the target step and draft chain. A bar on stderr counts graphs; one summary line ends it."""
+               logprobs: bool = False, lone: bool = False, batched: bool = True) -> WarmupReport:
+        """Compile the graphs a run with sampling ``modes`` (and ``logprobs``) replays: the fused step per K
+        (``adaptive_k``: every K in 0..K_max, then timed; ``warm_graphs: first`` K = 0 and K_max only) — per batch
+        bucket only where the backend compiles per shape, for a lone request where ``lone`` says the first batch is
+        one, for batches unless ``batched`` says none comes (both always with ``warm_graphs: all``) — or the target
+        step and draft chain. Graphs already warm are skipped. A bar on stderr names each graph and why it runs; one summary line ends it."""
         report = WarmupReport()
-        what = (f"fused_k{'0-' if self.cfg.adaptive_k else ''}{self.k}_{'-'.join(modes)}"
+        self._progress = progress
+        every = self.cfg.warm_graphs == "all" or not self.shapes.dynamic_batch
+        lone, batched = lone or every, batched or every
+        ks = self._warm_ks()
+        rows = ("_lone" if lone else "") + ("_batched" if batched else "")
+        what = (f"fused_k{'-'.join(map(str, ks))}{rows}_{'-'.join(modes)}"
                 f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k}")
         first = self.prefill_graph is not None and not self._prefill_warm
         if first:  # once per engine: prompts are prompts whatever the sampling modes
@@ -253,7 +291,7 @@ class ModelRunner:
         before = (store.loaded, store.compiled) if store is not None else (0, 0)
         with torch.no_grad(), cached as hit:
             if self.cfg.fused_step:
-                self._warmup_fused(report, progress, modes, logprobs)
+                self._warmup_fused(report, progress, modes, logprobs, lone, batched)
             else:
                 self._warmup_step_by_step(report, progress)
             if first:
@@ -265,9 +303,19 @@ class ModelRunner:
         report.cache_hit = hit
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
+            later = (f"; K = {', '.join(map(str, sorted(self._deferred)))} when adaptive K first picks it"
+                     if self._deferred else "")
             print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
-                  f"({self.backend.name}, attention '{self.backend.attention_kernel}'{cache})", file=sys.stderr)
+                  f"({self.backend.name}, attention '{self.backend.attention_kernel}'{cache}){later}",
+                  file=sys.stderr)
         return report
+
+    def _warm_ks(self) -> list[int]:
+        """The K values warm-up compiles: K_max (fixed K, or adaptive K while it learns acceptance) and, adaptive,
+        K = 0 (the fallback) and the K values between unless ``warm_graphs: first`` defers them."""
+        if not (self.cfg.adaptive_k and self.k):
+            return [self.k]
+        return [k for k in range(self.k + 1) if k not in self._deferred]
 
     def cache_key(self, what: str) -> CacheKey:
         """One warm-up's compiled artifacts: the model, the graph code, torch and every option that shapes them."""
@@ -285,35 +333,58 @@ class ModelRunner:
                                          "disable_padded_drafter_batch": bool(
                                              self.spec and self.spec.disable_padded_drafter_batch)})
 
-    def _fused_warm_plan(self, modes: tuple[str, ...]) -> list[tuple[int, int, str]]:
-        ks = list(range(self.k + 1)) if self.cfg.adaptive_k else [self.k]
-        # one row count per compiled graph (or CUDA graph capture), largest first; the lone-request graphs
-        sizes = self.target_graph.warm_sizes()
-        if self.rows_for(1) == 1 and 1 not in sizes:
+    def _fused_warm_plan(self, ks: list[int], lone: bool, batched: bool) -> list[tuple[int, int, str, bool]]:
+        """(rows, K, mode, logprobs) of the fused graphs not yet warm: one row count per compiled graph (or CUDA
+        graph capture), largest first, then the lone-request graphs, for every mode warmed so far."""
+        sizes = self.target_graph.warm_sizes() if batched else []
+        if lone and self.shapes.dynamic_batch and 1 in self.batch_sizes and 1 not in sizes:
             sizes = [*sizes, 1]
-        return [(r, k, mode) for r in sizes for k in ks for mode in modes]
+        plan = [(r, k, mode, lp) for r in sizes for k in ks for mode, lp in self._warm_modes]
+        return [g for g in plan if g not in self._warm_graphs]
 
-    def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool) -> None:
-        plan = self._fused_warm_plan(modes)
+    def _why(self, rows: int, k: int) -> str:
+        """What a fused graph is for, as the warm-up bar says it."""
+        if rows == 1 and self.shapes.dynamic_batch:
+            return "a lone request"
+        if not (self.cfg.adaptive_k and self.k):
+            return "every step" if k or not self.k else "plain decoding"
+        return {self.k: "K_max: drafts while acceptance is learned", 0: "plain decoding where drafts do not pay"
+                }.get(k, "adaptive K")
+
+    def _compile_fused(self, plan: list[tuple[int, int, str, bool]], bar: tqdm | None,
+                       report: WarmupReport | None) -> None:
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else [self.max_blocks]
+        for rows, k, mode, logprobs in plan:
+            batch = dataclasses.replace(self._inert_batch(rows, k), mode=mode, logprobs=logprobs)
+            key = self.spec_graphs.key(rows, k, mode, logprobs)
+            # a dynamic-batch key's lone-request graph is its one-row specialisation
+            tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
+            if bar is not None:
+                bar.set_postfix_str(f"{tag} ({self._why(rows, k)})")
+            t0 = time.perf_counter()
+            for width in widths:
+                self._replay(batch, width, None)
+            self._warm_graphs.add((rows, k, mode, logprobs))
+            if report is not None:
+                report.seconds_by_graph[tag] = time.perf_counter() - t0
+            if bar is not None:
+                bar.update()
+
+    def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool,
+                      lone: bool, batched: bool) -> None:
+        ks = self._warm_ks()
+        self._warm_modes += [(m, logprobs) for m in modes if (m, logprobs) not in self._warm_modes]
+        lone, batched = lone or self._lone, batched or self._batched  # what earlier warm-ups warmed, for new modes
+        plan = self._fused_warm_plan(ks, lone, batched)
         t_all = time.perf_counter()
         with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
-                  disable=not progress, dynamic_ncols=True) as bar:
-            for rows, k, mode in plan:
-                batch = dataclasses.replace(self._inert_batch(rows, k), mode=mode, logprobs=logprobs)
-                key = self.spec_graphs.key(rows, k, mode, logprobs)
-                # a dynamic-batch key's lone-request graph is its one-row specialisation
-                tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
-                bar.set_postfix_str(tag)
-                t0 = time.perf_counter()
-                for width in widths:
-                    self._replay(batch, width, None)
-                report.seconds_by_graph[tag] = time.perf_counter() - t0
-                bar.update()
+                  disable=not progress or not plan, dynamic_ncols=True) as bar:
+            self._compile_fused(plan, bar, report)
+        self._lone, self._batched = lone, batched
         report.graphs_compiled = len(plan)
         report.compile_seconds = time.perf_counter() - t_all
-        if self.cfg.adaptive_k and self.k:
-            self._time_steps()
+        if self.cfg.adaptive_k and self.k and plan:
+            self._time_steps(ks)
         self._batch = None
 
     def _warmup_prefill(self, report: WarmupReport, progress: bool) -> None:
@@ -341,15 +412,43 @@ class ModelRunner:
         report.compile_seconds += time.perf_counter() - t0
         self._prefill_warm = True
 
-    def _time_steps(self, rounds: int = 5) -> None:
-        """Step cost per bucket and K for adaptive K: medians of ``rounds`` rounds, the K values interleaved in each
-        so machine noise weighs on all of them alike."""
+    def _time_steps(self, ks: list[int], rounds: int = 5) -> None:
+        """Step cost per bucket of each K in ``ks`` for adaptive K: medians of ``rounds`` rounds, the K values
+        interleaved in each so machine noise weighs on all of them alike; deferred K values interpolated."""
         for bucket in self.batch_sizes:
-            times: dict[int, list[float]] = {k: [] for k in range(self.k + 1)}
+            times: dict[int, list[float]] = {k: [] for k in ks}
             for _ in range(rounds):
                 for k in times:
                     times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
-            self.adaptive.step_seconds[bucket] = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+            costs = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+            self.adaptive.step_seconds[bucket] = {**interpolated_costs(costs, sorted(self._deferred)), **costs}
+        self.adaptive.pending = set(self._deferred)
+
+    def _compile_deferred(self, k: int, why: str) -> None:
+        """Compile (or load from the cache) the fused graphs of a K that warm-up deferred, for every mode it warmed,
+        and time it against K_max in each bucket: the step that needs them waits, no other step does."""
+        t0 = time.perf_counter()
+        compiles = dynamo_compile_count()
+        if self._progress:
+            print(f"ascend-spec: compiling the K = {k} step ({why}) ...", file=sys.stderr, flush=True)
+        with torch.no_grad():
+            self._compile_fused(self._fused_warm_plan([k], self._lone, self._batched), None, None)
+            self._deferred.discard(k)
+            if self.cfg.adaptive_k:
+                for bucket, costs in self.adaptive.step_seconds.items():
+                    times: dict[int, list[float]] = {k: [], self.k: []}
+                    for _ in range(3):
+                        for j in times:
+                            times[j].append(self.time_step(bucket, j, context=WARMUP_COST_CONTEXT, repeats=3))
+                    mid = {j: sorted(t)[len(t) // 2] for j, t in times.items()}
+                    costs[k] = costs[self.k] * mid[k] / mid[self.k]  # K_max's figure follows the run's drift
+                self.adaptive.pending.discard(k)
+        self._last_step_end = None  # the compile is no step's cost and ran between no steps
+        self.deferred_compiles += dynamo_compile_count() - compiles
+        seconds = time.perf_counter() - t0
+        self.deferred_seconds += seconds
+        if self._progress:
+            print(f"ascend-spec: K = {k} ready in {seconds:.1f} s", file=sys.stderr, flush=True)
 
     def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
         t0 = time.perf_counter()
@@ -532,14 +631,19 @@ class ModelRunner:
     # -- fused path: one graph per step over device-side state ------------------------------------
     def _k_for(self, bucket: int) -> int:
         if self.force_k is not None:
-            return self.force_k
-        if not (self.cfg.adaptive_k and self.k):
+            k, why = self.force_k, "asked for"
+        elif not (self.cfg.adaptive_k and self.k):
             return self.k
-        if self.acceptance.offered[0] < LEARN_DRAFTS:
+        elif self.acceptance.offered[0] < LEARN_DRAFTS:
             # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
             # then learn only from explorations. Draft K_max until some have been verified.
             return self.k
-        return self.adaptive.k_for(bucket, self.acceptance.rates())
+        else:
+            k = self.adaptive.k_for(bucket, self.acceptance.rates())
+            why = f"adaptive K expects it to pay at batch {bucket}"
+        if k in self._deferred:
+            self._compile_deferred(k, why)
+        return k
 
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
         m = self.max_blocks

@@ -1,0 +1,83 @@
+"""``warm_graphs: first`` (``ascend-spec generate``'s default): warm-up compiles what the first steps run, K_max and
+K = 0 (and the lone-request graphs only when the first batch is one request); a K between is compiled when adaptive
+K first picks it, timed, and counted as planned, not as a recompile."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ascend_spec.adaptive import LEARN_DRAFTS, AdaptiveK, interpolated_costs
+from ascend_spec.cli import build_parser, engine_config_from_args
+from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
+from ascend_spec.engine import dynamo_compile_count, load_engine
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.tokenizer import TextTokenizer
+
+from .conftest import inductor_config
+
+TEXTS = ["the quick brown fox jumps over", "speculative decoding drafts tokens that", "a b c d e f g h i j"]
+
+
+@pytest.fixture
+def own_store(tmp_path, monkeypatch):
+    """A store of saved graphs of this test's own: graphs another test saved would load, not compile."""
+    monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_interpolated_k_is_never_explored_and_sits_on_the_line():
+    assert interpolated_costs({0: 1.0, 3: 2.5}, [1, 2]) == pytest.approx({1: 1.5, 2: 2.0})
+    policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.45, 2: 1.9}}, pending={1})
+    picks = [policy.k_for(8, [0.9, 0.9]) for _ in range(400)]
+    assert set(picks) == {0, 2} and picks.count(0) == 400 // 64 * 2  # explorations: the measured K values only
+    # an interpolated K that looks best is picked (the runner then compiles and times it)
+    assert AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.45, 2: 1.9}}, pending={1}).k_for(8, [0.6, 0.5]) == 1
+
+
+def test_cli_defers_engine_api_warms_everything():
+    parse = build_parser().parse_args
+    assert engine_config_from_args(parse(["generate"])).warm_graphs == "first"
+    assert engine_config_from_args(parse(["generate", "--compile-all"])).warm_graphs == "all"
+    assert EngineConfig().warm_graphs == "all"
+    with pytest.raises(ConfigError, match="warm_graphs='some'; allowed: \\['all', 'first'\\]"):
+        EngineConfig(warm_graphs="some")
+
+
+def test_first_steps_warm_then_a_deferred_k_compiles_once_when_picked(trained_dir, own_store):
+    """Adaptive K_max = 2: warm-up compiles the step at K = 2 and K = 0 (two rows) where ``all`` compiles six (and
+    prompts run eagerly here, to keep the test to its three compiles). A lone request pads to two rows. When the
+    policy picks K = 1 (its figure interpolated), that step compiles and times it first: counted as a deferred
+    compile, not a recompile; the tokens equal plain greedy decoding; a second run compiles nothing."""
+    cfg = dataclasses.replace(inductor_config(2), adaptive_k=True, warm_graphs="first")
+    cfg = dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, prefill_query_widths=()))
+    eng = load_engine(trained_dir, cfg)
+    runner = eng.runner
+    report = eng.warmup(progress=False)
+    assert report.graphs_compiled == 2, report.seconds_by_graph
+    assert {key.k for key in eng.spec_graphs._graphs} == {0, 2}
+    assert runner.rows_for(1) == 2 and not runner.lone_warm
+    assert runner.adaptive.pending == {1}
+    for costs in eng.step_seconds.values():
+        assert costs[1] == pytest.approx((costs[0] + costs[2]) / 2)
+
+    # acceptance learnt, and K = 1 made the one that pays (its interpolated figure cheap)
+    for _ in range(LEARN_DRAFTS):
+        runner.acceptance.record(2, 1)
+    for costs in eng.step_seconds.values():
+        costs.update({0: 1.0, 1: 1.05, 2: 3.0})
+    tok = TextTokenizer(trained_dir)
+    prompts = [tok.encode(t) for t in TEXTS]
+    compiles = dynamo_compile_count()
+    got, stats, _ = eng.generate(prompts[:2], SamplingParams(), [24, 24])
+    assert stats.steps_per_k.get(1), stats.steps_per_k
+    assert 1 in {key.k for key in eng.spec_graphs._graphs} and not runner.adaptive.pending
+    assert stats.deferred_compiles == dynamo_compile_count() - compiles > 0
+    assert stats.recompiles_after_warmup == 0 and stats.deferred_compile_seconds > 0
+    assert all(costs[1] != 1.05 for costs in eng.step_seconds.values())  # measured against K_max, not kept
+    plain = dataclasses.replace(inductor_config(0), graph=TorchairGraphConfig(enabled=False, backend="eager"))
+    want, _, _ = load_engine(trained_dir, plain).generate(prompts[:2], SamplingParams(), [24, 24])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+    again, stats, _ = eng.generate(prompts[:2], SamplingParams(), [24, 24])
+    assert stats.deferred_compiles == stats.recompiles_after_warmup == 0
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
