@@ -203,7 +203,7 @@ class ModelRunner:
         self._prefill_warm = False
         first = cfg.warm_graphs == "first" and self.backend.name != "eager"
         #: fused-step K values whose graphs warm-up leaves for their first use (``warm_graphs: first``)
-        self._deferred: set[int] = set(range(1, self.k)) if first and cfg.adaptive_k and cfg.fused_step else set()
+        self._deferred: set[int] = set(range(self.k)) if first and cfg.adaptive_k and cfg.fused_step else set()
         #: lone-request (one-row) graphs and batch graphs warm, or compiled on first use (``warm_graphs: all``)
         self._lone = self._batched = not first
         #: (sampling mode, logprobs) pairs the fused path was warmed for, and the (rows, K, mode, logprobs) graphs
@@ -303,7 +303,7 @@ class ModelRunner:
         report.cache_hit = hit
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
-            later = (f"; K = {', '.join(map(str, sorted(self._deferred)))} when adaptive K first picks it"
+            later = (f"; K = {', '.join(map(str, sorted(self._deferred)))} when adaptive K first needs it"
                      if self._deferred else "")
             print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
                   f"({self.backend.name}, attention '{self.backend.attention_kernel}'{cache}){later}",
@@ -312,7 +312,8 @@ class ModelRunner:
 
     def _warm_ks(self) -> list[int]:
         """The K values warm-up compiles: K_max (fixed K, or adaptive K while it learns acceptance) and, adaptive,
-        K = 0 (the fallback) and the K values between unless ``warm_graphs: first`` defers them."""
+        K = 0 and the K values between unless ``warm_graphs: first`` defers them (K = 0 to the end of learning,
+        the others to the policy's first pick)."""
         if not (self.cfg.adaptive_k and self.k):
             return [self.k]
         return [k for k in range(self.k + 1) if k not in self._deferred]
@@ -383,7 +384,7 @@ class ModelRunner:
         self._lone, self._batched = lone, batched
         report.graphs_compiled = len(plan)
         report.compile_seconds = time.perf_counter() - t_all
-        if self.cfg.adaptive_k and self.k and plan:
+        if self.cfg.adaptive_k and len(ks) > 1 and plan:  # one K alone has nothing to be weighed against yet
             self._time_steps(ks)
         self._batch = None
 
@@ -415,18 +416,29 @@ class ModelRunner:
     def _time_steps(self, ks: list[int], rounds: int = 5) -> None:
         """Step cost per bucket of each K in ``ks`` for adaptive K: medians of ``rounds`` rounds, the K values
         interleaved in each so machine noise weighs on all of them alike; deferred K values interpolated."""
-        for bucket in self.batch_sizes:
+        # the buckets whose graphs are warm (``warm_graphs: first`` may have left the batch or lone-request ones out)
+        warm = [b for b in self.batch_sizes if (self._lone if self.rows_for(b) == 1 else self._batched)]
+        for bucket in warm:
             times: dict[int, list[float]] = {k: [] for k in ks}
             for _ in range(rounds):
                 for k in times:
                     times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
-            costs = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
-            self.adaptive.step_seconds[bucket] = {**interpolated_costs(costs, sorted(self._deferred)), **costs}
-        self.adaptive.pending = set(self._deferred)
+            self.adaptive.step_seconds[bucket] = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+        self._interpolate_deferred()
+
+    def _interpolate_deferred(self) -> None:
+        """Figures for the deferred K values between K = 0 and K_max, on the line through theirs once both are
+        timed; the policy never explores them, and compiles one it picks."""
+        between = sorted(j for j in self._deferred if j)
+        for costs in self.adaptive.step_seconds.values():
+            if 0 in costs and self.k in costs:
+                costs.update(interpolated_costs({0: costs[0], self.k: costs[self.k]}, between))
+        self.adaptive.pending = set(between)
 
     def _compile_deferred(self, k: int, why: str) -> None:
         """Compile (or load from the cache) the fused graphs of a K that warm-up deferred, for every mode it warmed,
-        and time it against K_max in each bucket: the step that needs them waits, no other step does."""
+        and time it (against K_max, whose figure follows the run's drift, in each bucket timed before): the step
+        that needs them waits, no other step does."""
         t0 = time.perf_counter()
         compiles = dynamo_compile_count()
         if self._progress:
@@ -434,15 +446,17 @@ class ModelRunner:
         with torch.no_grad():
             self._compile_fused(self._fused_warm_plan([k], self._lone, self._batched), None, None)
             self._deferred.discard(k)
-            if self.cfg.adaptive_k:
+            if self.cfg.adaptive_k and not self.adaptive.step_seconds:
+                self._time_steps(self._warm_ks())
+            elif self.cfg.adaptive_k:
                 for bucket, costs in self.adaptive.step_seconds.items():
                     times: dict[int, list[float]] = {k: [], self.k: []}
                     for _ in range(3):
                         for j in times:
                             times[j].append(self.time_step(bucket, j, context=WARMUP_COST_CONTEXT, repeats=3))
                     mid = {j: sorted(t)[len(t) // 2] for j, t in times.items()}
-                    costs[k] = costs[self.k] * mid[k] / mid[self.k]  # K_max's figure follows the run's drift
-                self.adaptive.pending.discard(k)
+                    costs[k] = costs[self.k] * mid[k] / mid[self.k]
+                self._interpolate_deferred()
         self._last_step_end = None  # the compile is no step's cost and ran between no steps
         self.deferred_compiles += dynamo_compile_count() - compiles
         seconds = time.perf_counter() - t0
@@ -639,6 +653,8 @@ class ModelRunner:
             # then learn only from explorations. Draft K_max until some have been verified.
             return self.k
         else:
+            if 0 in self._deferred:
+                self._compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
             k = self.adaptive.k_for(bucket, self.acceptance.rates())
             why = f"adaptive K expects it to pay at batch {bucket}"
         if k in self._deferred:
