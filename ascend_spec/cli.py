@@ -171,7 +171,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)
     # A bar on stderr while graphs compile; --json keeps stdout clean either way.
     batch = min(cfg.max_num_seqs, len(prompts))
-    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json, first_batch=batch, max_batch=batch)
+    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json, first_batch=batch, max_batch=batch,
+                      prompts=len(prompts))
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
                                               seed=args.seed)
     tokens_per_s = stats.generated_tokens / stats.decode_seconds if stats.decode_seconds else 0.0

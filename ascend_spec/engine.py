@@ -93,16 +93,17 @@ class Engine:
 
     # -- warm-up ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,), logprobs: bool = False,
-               lone: bool = False, batched: bool = True) -> WarmupReport:
+               lone: bool = False, batched: bool = True, prompts: int | None = None) -> WarmupReport:
         """Compile the graphs a run with these sampling ``modes`` (and ``logprobs``) replays (see
         :meth:`ModelRunner.warmup`; ``lone``: its first batch is one request, ``batched``: batches of several
-        come); ``generate`` warms what its requests need on its own."""
+        come, ``prompts``: how many); ``generate`` warms what its requests need on its own."""
         new = tuple(m for m in modes if (m, logprobs) not in self._warm_modes)
         report = WarmupReport()
         runner = self.runner
-        if new or lone and not runner.lone_warm or batched and not runner.batched_warm:
+        rows = lone and not runner.lone_warm or batched and not runner.batched_warm
+        if new or rows or runner.prompts_unwarmed(prompts):
             report = runner.warmup(progress=progress, modes=new or modes, logprobs=logprobs, lone=lone,
-                                   batched=batched)
+                                   batched=batched, prompts=prompts)
             self._warm_modes.update((m, logprobs) for m in (new or modes))
             self._compiles_at_warmup = dynamo_compile_count()
             self._pending_report = report
@@ -112,15 +113,16 @@ class Engine:
         return self.runner.time_step(bucket, k, context, repeats)
 
     def warmup_for(self, params: list[SamplingParams], progress: bool = False, first_batch: int | None = None,
-                   max_batch: int | None = None) -> WarmupReport:
+                   max_batch: int | None = None, prompts: int | None = None) -> WarmupReport:
         """Warm the graphs these requests will replay (nothing for what is already warm): greedy always (a batch
         turns greedy when its random requests finish), random sampling and logprobs graphs when asked for; the
         lone-request graphs when the first batch (``first_batch`` requests) is one, batch graphs unless no batch
-        holds more than one (``max_batch``; see ``EngineConfig.warm_graphs``)."""
+        holds more than one (``max_batch``), the prompt graphs for a run of many ``prompts`` (see
+        ``EngineConfig.warm_graphs``)."""
         if self.backend_name == "eager":
             return WarmupReport()
         modes = (GREEDY, RANDOM) if any(not p.is_greedy for p in params) else (GREEDY,)
-        rows = {"lone": first_batch == 1, "batched": max_batch is None or max_batch > 1}
+        rows = {"lone": first_batch == 1, "batched": max_batch is None or max_batch > 1, "prompts": prompts}
         report = self.warmup(progress=progress, modes=modes, logprobs=False, **rows)
         if any(p.logprobs is not None for p in params):
             more = self.warmup(progress=progress, modes=modes, logprobs=True, **rows)
@@ -168,7 +170,8 @@ class Engine:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}; allowed: an int in 1..{self.cfg.max_num_seqs} "
                              "(the engine's max_num_seqs)")
         first = [a for a in arrivals if a == min(arrivals)]
-        self.warmup_for(params, first_batch=min(limit, len(first)), max_batch=min(limit, len(prompts)))
+        self.warmup_for(params, first_batch=min(limit, len(first)), max_batch=min(limit, len(prompts)),
+                        prompts=len(prompts))
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
         sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k, self.eos_token_id)

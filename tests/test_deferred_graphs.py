@@ -44,16 +44,14 @@ def test_cli_defers_engine_api_warms_everything():
 
 
 def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store):
-    """Adaptive K_max = 2: warm-up compiles the step at K = 2 only, what runs while acceptance is learned (``all``
-    compiles six step graphs; prompts run eagerly here, to keep the test to its three compiles), and a lone request
-    pads to two rows. Once acceptance is learned, the next step first compiles and times K = 0, and K = 1's
+    """Adaptive K_max = 2, two prompts: warm-up compiles the step at K = 2 only, what runs while acceptance is
+    learned (``all`` compiles six step graphs and the two prompt graphs; a run of few prompts runs them eagerly),
+    and a lone request pads to two rows. Once acceptance is learned, the next step first compiles and times K = 0, and K = 1's
     figure is interpolated; a K asked for compiles before its step. Each is counted as a deferred compile, not a
     recompile; the tokens equal plain greedy decoding; a run after them compiles nothing."""
-    cfg = dataclasses.replace(inductor_config(2), adaptive_k=True, warm_graphs="first")
-    cfg = dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, prefill_query_widths=()))
-    eng = load_engine(trained_dir, cfg)
+    eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), adaptive_k=True, warm_graphs="first"))
     runner = eng.runner
-    report = eng.warmup(progress=False)
+    report = eng.warmup(progress=False, prompts=2)
     assert report.graphs_compiled == 1, report.seconds_by_graph
     assert {key.k for key in eng.spec_graphs._graphs} == {2} and not eng.step_seconds
     assert runner.rows_for(1) == 2 and not runner.lone_warm

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import inspect
 import logging
 import pickle
@@ -61,14 +62,19 @@ def keep_portable_input_guards(entries: Any) -> list[bool]:
 
 
 def _package_sources() -> list[Path]:
-    here = Path(__file__).resolve()
-    graph_pkg = here.parent.parent
-    return [graph_pkg, graph_pkg.parent / "ascend_spec"]
+    """The folders of ``ascend_spec``, ``ascend_spec.graph`` and ``ascend_spec.compat``: apart in a checkout, one
+    inside the other once installed."""
+    folders = []
+    for name in ("ascend_spec", "ascend_spec.graph", "ascend_spec.compat"):
+        spec = importlib.util.find_spec(name)
+        folders += [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+    return folders
 
 
 @functools.cache
 def traced_code_digest() -> str:
-    """sha256 over the sources a graph's trace can reach (the graph package and the engine's step code)."""
+    """sha256 over the sources a graph's trace can reach (the graph package, the engine's step code and, inside
+    vLLM, the layers that wrap vLLM's modules)."""
     digests = [f"{folder.name}:{digest_sources(folder)}" for folder in _package_sources() if folder.is_dir()]
     return hashlib.sha256(";".join(digests).encode()).hexdigest()[:24]
 
