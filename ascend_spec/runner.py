@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK, interpolated_costs
+from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK, choose_k, interpolated_costs
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
@@ -65,6 +65,9 @@ def dynamo_compile_count() -> int:
 #: prompts: they save about 8 ms a prompt (bundled model, a lone 20-token prompt: 23 ms eagerly, 15 ms as a graph),
 #: and cost 0.6 s to load and about a minute to compile cold (2-core CPU)
 PROMPT_GRAPHS_FROM = 64
+#: a K that warm-up deferred is compiled only while the longest running request has this many tokens to go: a
+#: compile (about 40 s cold, bundled model, 2-core CPU) that a run ends soon after costs more than it saves
+DEFERRED_MIN_TOKENS = 128
 #: padded tokens one eager prefill forward takes (requests admitted together share forwards up to this)
 PREFILL_TOKENS = 4096
 #: K = 0 steps a request keeps the target's hidden states of, to write their MTP cache entries when it drafts again
@@ -596,7 +599,8 @@ class ModelRunner:
         bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
         if not self.fused_applies(running):
             return StepPlan(self.k, bucket, fused=False)
-        return StepPlan(self._k_for(bucket), bucket, fused=True)
+        to_go = max(s.max_tokens - len(s.output_ids) for s in running)
+        return StepPlan(self._k_for(bucket, to_go), bucket, fused=True)
 
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
              plan: StepPlan | None = None) -> StepOutput:
@@ -658,7 +662,8 @@ class ModelRunner:
             stats.host_sync_events.extend(counter.events)
 
     # -- fused path: one graph per step over device-side state ------------------------------------
-    def _k_for(self, bucket: int) -> int:
+    def _k_for(self, bucket: int, to_go: int | None = None) -> int:
+        """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many)."""
         if self.force_k is not None:
             k, why = self.force_k, "asked for"
         elif not (self.cfg.adaptive_k and self.k):
@@ -667,6 +672,9 @@ class ModelRunner:
             # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
             # then learn only from explorations. Draft K_max until some have been verified.
             return self.k
+        elif self._deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
+            # what is left of the run would not repay a compile: the K values warm stay the choice
+            return self.k if 0 in self._deferred else self._best_warm(bucket)
         else:
             if 0 in self._deferred:
                 self._compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
@@ -675,6 +683,14 @@ class ModelRunner:
         if k in self._deferred:
             self._compile_deferred(k, why)
         return k
+
+    def _best_warm(self, bucket: int) -> int:
+        """The policy's K among the warm ones (the deferred K values' interpolated figures left out)."""
+        costs = self.adaptive.step_seconds.get(bucket)
+        if not costs:
+            return self.k
+        warm = {k: c for k, c in costs.items() if k not in self._deferred}
+        return choose_k(warm, self.acceptance.rates(), self.adaptive.chosen.get(bucket), bucket)
 
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
         m = self.max_blocks

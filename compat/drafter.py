@@ -94,6 +94,8 @@ class DrafterStats:
     graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs
     rank: int = 0
     warmup_seconds: float = 0.0
+    graphs_loaded: int = 0  # draft graphs loaded whole from our compile cache at warm-up (CPU), without tracing
+    graphs_saved: int = 0  # ... and compiled, then saved there
     buckets: list[int] = field(default_factory=list)
     backend: str = ""
     weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
@@ -250,6 +252,8 @@ class AscendSpecMtpMixin:
             with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):
                 self._ascend.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
+        if backend.store is not None:
+            st.graphs_loaded, st.graphs_saved = backend.store.loaded, backend.store.compiled
         st.graph_host_ops = len(backend.lint.findings)
         logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
                     "weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,

@@ -10,6 +10,7 @@ import pytest
 from ascend_spec.adaptive import LEARN_DRAFTS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
 from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
+from ascend_spec import runner as runner_module
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -43,10 +44,11 @@ def test_cli_defers_engine_api_warms_everything():
         EngineConfig(warm_graphs="some")
 
 
-def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store):
+def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store, monkeypatch):
     """Adaptive K_max = 2, two prompts: warm-up compiles the step at K = 2 only, what runs while acceptance is
     learned (``all`` compiles six step graphs and the two prompt graphs; a run of few prompts runs them eagerly),
-    and a lone request pads to two rows. Once acceptance is learned, the next step first compiles and times K = 0, and K = 1's
+    and a lone request pads to two rows. Requests too short to repay a compile keep K_max. Once acceptance is
+    learned and requests have enough tokens to go, the next step first compiles and times K = 0, and K = 1's
     figure is interpolated; a K asked for compiles before its step. Each is counted as a deferred compile, not a
     recompile; the tokens equal plain greedy decoding; a run after them compiles nothing."""
     eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), adaptive_k=True, warm_graphs="first"))
@@ -62,6 +64,12 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
 
     for _ in range(LEARN_DRAFTS):  # acceptance learnt
         runner.acceptance.record(2, 1)
+    # requests this short would not repay a compile: K_max goes on
+    got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
+    assert stats.steps_per_k == {2: stats.num_steps} and stats.deferred_compiles == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+    monkeypatch.setattr(runner_module, "DEFERRED_MIN_TOKENS", 0)  # the bundled fixture's max_model_len is 128
     compiles = dynamo_compile_count()
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
     picked = 1 in stats.steps_per_k  # the policy may pick K = 1 on its interpolated figure: then it compiled too
