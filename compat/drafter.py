@@ -61,6 +61,7 @@ from .shims import (
     detected_drift,
     discard_mask,
     host_seq_lens_upper_bound,
+    installed_vllm_version,
     moe_forward_context,
     probe_proposer_api,
     probe_runner,
@@ -272,13 +273,11 @@ class AscendSpecMtpMixin:
         cache = open_default_cache(inductor=False)  # vLLM points inductor's cache itself
         if cache is None:
             return None
-        import vllm
-
         model_cfg = self.vllm_config.model_config
         attn = self._ascend_model.mtp_layer(0).self_attn
         key = CacheKey(what="vllm_drafter", model_config=self._ascend_model.cfg.to_hf_dict(), backend=backend.name,
                        backend_options={"device": str(self.device), "capability": device_capability(self.device),
-                                        "dtype": str(model_cfg.dtype), "vllm": vllm.__version__,
+                                        "dtype": str(model_cfg.dtype), "vllm": installed_vllm_version(),
                                         "quantization": model_cfg.quantization or "",
                                         "absorb": attn.uk_proj.name if attn.uk_proj is not None else "views",
                                         "tp": [self.ascend_stats.rank, self._ascend_tp],
