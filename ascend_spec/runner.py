@@ -435,12 +435,16 @@ class ModelRunner:
         # the buckets whose graphs are warm (``warm_graphs: first`` may have left the batch or lone-request ones out)
         warm = [b for b in self.batch_sizes if (self._lone if self.rows_for(b) == 1 else self._batched)]
         for bucket in warm:
-            times: dict[int, list[float]] = {k: [] for k in ks}
-            for _ in range(rounds):
-                for k in times:
-                    times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
-            self.adaptive.step_seconds[bucket] = {k: sorted(t)[len(t) // 2] for k, t in times.items()}
+            self.adaptive.step_seconds[bucket] = self._median_step_times(bucket, ks, rounds)
         self._interpolate_deferred()
+
+    def _median_step_times(self, bucket: int, ks: list[int], rounds: int) -> dict[int, float]:
+        """Median seconds of a step of ``bucket`` at each K in ``ks`` over ``rounds`` rounds, K values interleaved."""
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        for _ in range(rounds):
+            for k in times:
+                times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
+        return {k: sorted(t)[len(t) // 2] for k, t in times.items()}
 
     def _interpolate_deferred(self) -> None:
         """Figures for the deferred K values between K = 0 and K_max, on the line through theirs once both are
@@ -466,11 +470,7 @@ class ModelRunner:
                 self._time_steps(self._warm_ks())
             elif self.cfg.adaptive_k:
                 for bucket, costs in self.adaptive.step_seconds.items():
-                    times: dict[int, list[float]] = {k: [], self.k: []}
-                    for _ in range(3):
-                        for j in times:
-                            times[j].append(self.time_step(bucket, j, context=WARMUP_COST_CONTEXT, repeats=3))
-                    mid = {j: sorted(t)[len(t) // 2] for j, t in times.items()}
+                    mid = self._median_step_times(bucket, [k, self.k], rounds=3)
                     costs[k] = costs[self.k] * mid[k] / mid[self.k]
                 self._interpolate_deferred()
         self._last_step_end = None  # the compile is no step's cost and ran between no steps
