@@ -170,11 +170,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
     engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)
     # A bar on stderr while graphs compile; --json keeps stdout clean either way.
-    batch = min(cfg.max_num_seqs, len(prompts))
-    engine.warmup_for([params], progress=sys.stderr.isatty() or not args.json, first_batch=batch, max_batch=batch,
-                      prompts=len(prompts))
     outputs, stats, metrics = engine.generate([tok.encode(p) for p in prompts], params, args.max_tokens,
-                                              seed=args.seed)
+                                              seed=args.seed, progress=sys.stderr.isatty() or not args.json)
     tokens_per_s = stats.generated_tokens / stats.decode_seconds if stats.decode_seconds else 0.0
     spec_name = f"{cfg.speculative.method} K={cfg.speculative.num_speculative_tokens}" if cfg.speculative else "off"
     if args.json:
@@ -198,6 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "recompiles_after_warmup": stats.recompiles_after_warmup,
             "deferred_compiles": stats.deferred_compiles,
             "deferred_compile_seconds": round(stats.deferred_compile_seconds, 2),
+            "first_token_seconds": round(stats.first_token_seconds, 3),
             "graphs_compiled": stats.graphs_compiled,
             "compile_seconds": round(stats.compile_seconds, 2),
             # measured on fused steps only (the step-by-step path interleaves host work with its graph calls)
@@ -218,7 +216,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     parts = [f"--- prompt: {p!r}\n{p}{tok.decode(o.token_ids)}\n" for p, o in zip(prompts, outputs)]
     line = (f"backend={engine.backend_name} spec={spec_name} | {len(prompts)} prompts, {stats.generated_tokens} "
-            f"tokens in {stats.decode_seconds:.2f}s ({tokens_per_s:.1f} tok/s)")
+            f"tokens in {stats.decode_seconds:.2f}s ({tokens_per_s:.1f} tok/s, first token after "
+            f"{stats.first_token_seconds:.2f}s)")
     if metrics:
         line += (f" | acceptance {metrics.acceptance_rate:.2f}, mean accepted length "
                  f"{metrics.mean_accepted_length:.2f}")

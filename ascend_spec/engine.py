@@ -160,38 +160,44 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None,
-                 max_num_seqs: int | None = None) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
+                 max_num_seqs: int | None = None, progress: bool = False
+                 ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
         """``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
         takes the next arrival at once. ``max_num_seqs``: at most this many requests run at once in this call
-        (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish."""
+        (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish.
+        ``progress``: a bar on stderr while graphs compile or load."""
         params, max_tokens, arrivals = self._check_requests(prompts, params, max_tokens, arrivals)
         limit = self.cfg.max_num_seqs if max_num_seqs is None else max_num_seqs
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.cfg.max_num_seqs:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}; allowed: an int in 1..{self.cfg.max_num_seqs} "
                              "(the engine's max_num_seqs)")
+        start = time.perf_counter()
         first = [a for a in arrivals if a == min(arrivals)]
-        self.warmup_for(params, first_batch=min(limit, len(first)), max_batch=min(limit, len(prompts)),
-                        prompts=len(prompts))
+        hints = {"first_batch": min(limit, len(first)), "max_batch": min(limit, len(prompts)),
+                 "prompts": len(prompts), "progress": progress}
+        stats = RunStats(backend=self.backend_name)
+        # ``warm_graphs: first`` with eager prompts: the first tokens come before the decode graphs load or
+        # compile (a one-token request needs none); any other run warms before its first prefill.
+        warm_later = self.cfg.warm_graphs == "first" and not self.runner.prompts_unwarmed(len(prompts))
+        if not warm_later:
+            self._warm(params, hints, stats)
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
         sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k, self.eos_token_id)
         sched.add(seqs, arrivals)
-        stats = RunStats(backend=self.backend_name)
-        if self._pending_report is not None:
-            stats.graphs_compiled = self._pending_report.graphs_compiled
-            stats.compile_seconds = self._pending_report.compile_seconds
-            self._pending_report = None
         metrics = SpecMetrics(self.k) if self.k else None
         compiles_before = dynamo_compile_count()
         deferred_before = (self.runner.deferred_compiles, self.runner.deferred_seconds)
         failures_before = self.runner.graph_failures()
-        start = time.perf_counter()
+        loop_start = time.perf_counter()
         while not sched.done:
             admitted = sched.admissions(stats.num_steps)
             if admitted:
                 t0 = time.perf_counter()
                 firsts = self.runner.prefill(admitted, generator)
                 stats.prefill_seconds += time.perf_counter() - t0
+                if not stats.generated_tokens:
+                    stats.first_token_seconds = time.perf_counter() - start
                 for seq, (token, entry, drafts) in zip(admitted, firsts):
                     if entry is not None:
                         seq.logprobs = [*(seq.logprobs or []), entry]
@@ -201,6 +207,9 @@ class Engine:
                     sched.admitted(seq)
             if not sched.running:
                 continue
+            if warm_later:
+                loop_start += self._warm(params, hints, stats)  # warm-up is not decoding time
+                warm_later = False
             plan = self.runner.plan(sched.running)  # the step's K first: the room it needs follows from it
             room = sched.make_room(plan.k)
             for victim in room.preempted:
@@ -213,7 +222,7 @@ class Engine:
             out = self.runner.step(sched.running, generator, stats, plan)
             for seq in self._take(sched, out, stats, metrics):
                 sched.finish(seq)
-        stats.decode_seconds = time.perf_counter() - start
+        stats.decode_seconds = time.perf_counter() - loop_start
         stats.k_by_bucket = self.runner.end_run()
         stats.graph_failures = self.runner.graph_failures() - failures_before
         stats.graph_host_ops = len(self.backend.lint.findings)
@@ -224,6 +233,16 @@ class Engine:
                                              - stats.deferred_compiles)
         outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]
         return outputs, stats, metrics
+
+    def _warm(self, params: list[SamplingParams], hints: dict, stats: RunStats) -> float:
+        """Warm what this run's requests replay (``warmup_for``) into ``stats``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.warmup_for(params, **hints)
+        if self._pending_report is not None:
+            stats.graphs_compiled = self._pending_report.graphs_compiled
+            stats.compile_seconds = self._pending_report.compile_seconds
+            self._pending_report = None
+        return time.perf_counter() - t0
 
     def _take(self, sched: Scheduler, out: StepOutput, stats: RunStats, metrics: SpecMetrics | None
               ) -> list[Sequence]:

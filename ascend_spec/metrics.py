@@ -82,6 +82,8 @@ class RunStats:
     deferred_compiles: int = 0
     deferred_compile_seconds: float = 0.0
     preemptions: int = 0
+    #: from the ``generate`` call to the first token sampled (warm-up included where it came first)
+    first_token_seconds: float = 0.0
     #: warm-up: graphs compiled and the seconds it took (0 when already warm)
     graphs_compiled: int = 0
     compile_seconds: float = 0.0

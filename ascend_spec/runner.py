@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 def dynamo_compile_count() -> int:
     """Graphs Dynamo has compiled in this process (each recompile of a frame counts once)."""
+    if "torch._dynamo" not in sys.modules:  # none, and importing Dynamo to say so would cost a second
+        return 0
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))

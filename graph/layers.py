@@ -27,6 +27,10 @@ class Linear(nn.Linear):
     #: set by ``DeepseekV3ForCausalLM.use_backend``
     weight_left = False
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # a shapes-only build is filled by the loader; see ``Embedding``
+            super().reset_parameters()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.weight_left or self.bias is not None:
             return F.linear(x, self.weight, self.bias)
@@ -72,6 +76,15 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose shapes-only (meta) build skips the random init: any op on a meta tensor imports
+    torch's Python meta kernels, about 2 s of a start-up that then loads every weight anyway."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 class RotaryEmbedding(nn.Module):
     """DeepSeek's rotary embedding with the layout vLLM uses for DeepSeek (``is_neox_style=False``).
 
@@ -82,6 +95,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, max_positions: int, theta: float, scaling: YarnScaling | None = None) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":
+            # a shapes-only build (weights.load_model fills a real table in); see ``Embedding``
+            self.register_buffer("cos_cached", torch.empty(max_positions, dim // 2), persistent=False)
+            self.register_buffer("sin_cached", torch.empty(max_positions, dim // 2), persistent=False)
+            return
         pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         inv_freq = 1.0 / pos_freqs
         scale = 1.0

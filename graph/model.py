@@ -18,7 +18,7 @@ from torch import nn
 from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
 from .latent_cache import LatentCache
-from .layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from .layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding
 from .mla_kernels import KERNELS
 from .moe import MoE
 
@@ -97,7 +97,7 @@ class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         rope = RotaryEmbedding.from_config(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         n = cfg.num_hidden_layers
         layers: list[nn.Module] = [DecoderLayer(cfg, rope, i) for i in range(n)]
         layers += [MTPLayer(cfg, rope, n + i) for i in range(cfg.num_nextn_predict_layers)]

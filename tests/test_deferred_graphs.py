@@ -45,7 +45,8 @@ def test_cli_defers_engine_api_warms_everything():
 
 
 def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store, monkeypatch):
-    """Adaptive K_max = 2, two prompts: warm-up compiles the step at K = 2 only, what runs while acceptance is
+    """Adaptive K_max = 2, two prompts: a one-token run compiles nothing (its tokens come from the prompt pass);
+    warm-up, at the first decode step, compiles the step at K = 2 only, what runs while acceptance is
     learned (``all`` compiles six step graphs and the two prompt graphs; a run of few prompts runs them eagerly),
     and a lone request pads to two rows. Requests too short to repay a compile keep K_max. Once acceptance is
     learned and requests have enough tokens to go, the next step first compiles and times K = 0, and K = 1's
@@ -53,14 +54,22 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
     recompile; the tokens equal plain greedy decoding; a run after them compiles nothing."""
     eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), adaptive_k=True, warm_graphs="first"))
     runner = eng.runner
-    report = eng.warmup(progress=False, prompts=2)
-    assert report.graphs_compiled == 1, report.seconds_by_graph
-    assert {key.k for key in eng.spec_graphs._graphs} == {2} and not eng.step_seconds
-    assert runner.rows_for(1) == 2 and not runner.lone_warm
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:2]]
     plain = dataclasses.replace(inductor_config(0), graph=TorchairGraphConfig(enabled=False, backend="eager"))
     want, _, _ = load_engine(trained_dir, plain).generate(prompts, SamplingParams(), [24, 24])
+
+    # The first tokens come from the eager prompt pass, before any decode graph compiles or loads: a one-token run
+    # needs none.
+    compiles = dynamo_compile_count()
+    got, stats, _ = eng.generate(prompts, SamplingParams(), 1)
+    assert stats.graphs_compiled == 0 and not eng.spec_graphs._graphs and dynamo_compile_count() == compiles
+    assert [o.token_ids for o in got] == [o.token_ids[:1] for o in want] and stats.first_token_seconds > 0
+    got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])  # warm-up before its first decode step
+    assert stats.graphs_compiled == 1 and stats.recompiles_after_warmup == 0
+    assert {key.k for key in eng.spec_graphs._graphs} == {2} and not eng.step_seconds
+    assert runner.rows_for(1) == 2 and not runner.lone_warm
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
     for _ in range(LEARN_DRAFTS):  # acceptance learnt
         runner.acceptance.record(2, 1)
