@@ -22,7 +22,7 @@ from .graph.backends.base import Backend, DynamicDims, clone_with_name
 from .graph.buckets import note_graph_failure
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.latent_cache import LatentCache, block_size_of
-from .graph.steps import make_draft_step, make_target_step, slots_for
+from .graph.steps import HostLengths, make_draft_step, make_target_step, slots_for
 from .proposer import shift_in_next_tokens
 from .sampling import SamplingTensors
 
@@ -79,7 +79,8 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
     n_logprobs = min(MAX_LOGPROBS, vocab)
 
     def verify(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
-               live: torch.Tensor, caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, ...]:
+               live: torch.Tensor, caches: tuple[LatentCache, ...], seq_lens_host: HostLengths = None
+               ) -> tuple[torch.Tensor, ...]:
         positions = start.view(-1, 1) + torch.arange(q, device=start.device)
         in_range = positions < max_model_len
         pos = torch.where(in_range, positions, torch.zeros_like(positions))
@@ -88,7 +89,7 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
         seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
         # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
         nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
-        hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches)
+        hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches, seq_lens_host)
         return pos, slots, seq_lens, nd, hidden, logits
 
     def accept(input_ids: torch.Tensor, nd: torch.Tensor, logits: torch.Tensor, temperature: torch.Tensor,
@@ -103,7 +104,8 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
 
     def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, nd: torch.Tensor,
                 pos: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, draft_cache: LatentCache) -> tuple[torch.Tensor, ...]:
+                seq_lens: torch.Tensor, draft_cache: LatentCache, seq_lens_host: HostLengths = None
+                ) -> tuple[torch.Tensor, ...]:
         b = input_ids.shape[0]
         if draft is None:
             valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
@@ -117,7 +119,8 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
             input_ids, pos, hidden, slots, seq_lens = spec_decode.compact_rejected(input_ids, pos, hidden, slots,
                                                                                     seq_lens, sample_idx)
         draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
-        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache)
+        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache,
+                          seq_lens_host)
         return valid, torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1), start + valid.long()
 
     return SpecPhases(verify, accept, propose)
@@ -131,7 +134,8 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     ``input_ids [B, 1+k]`` (last token, then the drafts), ``start [B]`` (its position = tokens already cached),
     ``num_draft [B]`` (drafts in ``input_ids`` to verify), ``block_table [B, M]``, ``live [B]``, the sampling
     tensors ``temperature, top_k, top_p, greedy [B]`` and the noise ``uniform [B, k]``, ``exponential [B, V]``
-    (unused in greedy mode), then the target caches and the draft cache.
+    (unused in greedy mode), then the target caches and the draft cache, and for attention that reads host KV
+    lengths the verify's ``seq_lens_host`` (``min(start + 1 + k, max_model_len)`` per live row, 0 per pad row).
     Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
     ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``;
@@ -145,13 +149,14 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor,
-                  caches: tuple[LatentCache, ...], draft_cache: LatentCache) -> tuple[torch.Tensor, ...]:
+                  caches: tuple[LatentCache, ...], draft_cache: LatentCache, seq_lens_host: HostLengths = None
+                  ) -> tuple[torch.Tensor, ...]:
         pos, slots, seq_lens, nd, hidden, logits = phases.verify(input_ids, start, num_draft, block_table, live,
-                                                                 caches)
+                                                                 caches, seq_lens_host)
         sampled, *extra = phases.accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform,
                                         exponential)
         valid, next_input, next_start = phases.propose(input_ids, start, sampled, nd, pos, hidden, slots,
-                                                       block_table, seq_lens, draft_cache)
+                                                       block_table, seq_lens, draft_cache, seq_lens_host)
         return (sampled, valid, next_input, next_start, *extra) + ((hidden[:, 0],) if keep else ())
 
     return spec_step

@@ -33,6 +33,8 @@ class DraftInputs:
     token_indices_to_sample: torch.Tensor  # [B]
     block_table: torch.Tensor  # [B, M]
     seq_lens: torch.Tensor  # [B]
+    #: ``seq_lens`` as host ints, for attention that reads them (``model.takes_host_lengths``); else None
+    seq_lens_host: tuple[int, ...] | None = None
 
 
 def shift_in_next_tokens(target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
@@ -107,14 +109,25 @@ class MtpProposer:
         if return_logits and self.model.greedy_head is not None:
             raise ValueError("propose(return_logits=True): this model drafts through a vocabulary-parallel greedy "
                              "head (model.greedy_head), which gathers no logits")
-        ids, logits = self._run_draft(*self._draft_args(inputs))
+        ids, logits = self._run_draft(*self._draft_args(inputs), seq_lens_host=self._host_lengths(inputs))
         return (ids, logits) if return_logits else ids
 
     def propose_reference(self, inputs: DraftInputs) -> torch.Tensor:
         """Draft ``[B, K]`` with the eager reference chain whatever the shape: for one-off calls (a prompt's
         prefill) that no compiled graph was warmed for."""
         with torch.no_grad():
-            return MtpProposer._run_draft(self, *self._draft_args(inputs))[0]
+            return MtpProposer._run_draft(self, *self._draft_args(inputs),
+                                          seq_lens_host=self._host_lengths(inputs))[0]
+
+    def _host_lengths(self, inputs: DraftInputs) -> tuple[int, ...] | None:
+        """The host KV lengths the draft chain passes its attention: where it reads them, the caller's (a call
+        without them is refused by name); else none, whatever was given."""
+        if not self.model.takes_host_lengths:
+            return None
+        if inputs.seq_lens_host is None:
+            raise ValueError(f"DraftInputs.seq_lens_host is None; attention {self.model.attention_kernel!r} reads "
+                             "KV lengths from the host: allowed, one int per request (seq_lens on the host)")
+        return inputs.seq_lens_host
 
     @staticmethod
     def _draft_args(inputs: DraftInputs) -> list[torch.Tensor]:
@@ -125,7 +138,8 @@ class MtpProposer:
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   seq_lens: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return self._draft_fn(input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens,
-                                  self.draft_cache)
+                                  self.draft_cache, seq_lens_host)

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -183,7 +183,7 @@ class ModelRunner:
         self.batch_sizes = g.batch_sizes(cfg.max_num_seqs)
         self._target_eager = make_target_step(model)
         self.target_graph = BucketedGraph(self.backend, self._target_eager, "target", self.batch_sizes,
-                                          TARGET_BATCH_ARGS)
+                                          TARGET_BATCH_ARGS, host_lengths=model.takes_host_lengths)
         # Prompts replay a graph too (a query axis: dynamic on CPU, padded to a few widths where graphs replay one
         # shape): a lone 20-token prompt of the bundled model took 23 ms eagerly, 15 ms as a graph (2-core CPU),
         # about two decode steps of a batch of 8, and speculating requests finish apart and join one by one.
@@ -191,7 +191,8 @@ class ModelRunner:
         self.prefill_graph: BucketedGraph | None = None
         if g.prefill_query_widths:
             self.prefill_graph = BucketedGraph(self.backend, self._prefill_eager, "prefill", self.batch_sizes,
-                                               PREFILL_BATCH_ARGS, query_widths=g.prefill_query_widths)
+                                               PREFILL_BATCH_ARGS, query_widths=g.prefill_query_widths,
+                                               host_lengths=model.takes_host_lengths)
         self.proposer: MtpTorchairProposer | None = None
         if self.spec:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
@@ -544,14 +545,15 @@ class ModelRunner:
         tokens = [s.prompt_ids + s.output_ids for s in seqs]
         n = max(len(t) for t in tokens)
         ids, pos, slots, table, seq_lens, last = self._chunk(seqs, tokens, [0] * len(seqs))
+        lens_host = self._host_lengths([n] * len(seqs))  # each block's end: padded to the longest (see _chunk)
         graph = self.prefill_graph
         with torch.no_grad():
             args = [ids, pos, slots, table, seq_lens, last]
             # ``warm_graphs: first`` runs prompts eagerly unless warm-up compiled their graph (never in a step)
             warm = self._prefill_warm or self.cfg.warm_graphs == "all"
             served = graph is not None and warm and graph.serves(len(seqs), n)
-            hidden, last_logits = (graph(args, (self.caches.target,)) if served
-                                   else self._prefill_eager(*args, self.caches.target))
+            hidden, last_logits = (graph(args, (self.caches.target,), host_lengths=lens_host) if served
+                                   else self._prefill_eager(*args, self.caches.target, lens_host))
             hidden = hidden[:, :n]  # [B, n, D]: a graph's query may be padded wider
             token = sample(last_logits, SamplingTensors.from_params([s.params for s in seqs], dev), generator)
         firsts = token.tolist()
@@ -564,7 +566,7 @@ class ModelRunner:
                        if s.params.logprobs is not None else None for i, s in enumerate(seqs)]
         if self.proposer is None:
             return [(t, e, []) for t, e in zip(firsts, entries)]
-        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
+        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens, lens_host))
         return [(t, e, d) for t, e, d in zip(firsts, entries, drafts.tolist())]
 
     def _chunk(self, seqs: list[Sequence], tokens: list[list[int]], firsts: list[int]
@@ -576,7 +578,8 @@ class ModelRunner:
         lens = [len(t) for t in tokens]
         n = max(lens)
         ends = [f + m for f, m in zip(firsts, lens)]
-        width = self.width_for(max(ends) + 2 * self.k)  # the drafts write up to K positions past the chunk
+        # the drafts write up to K positions past the chunk; a row's padded query block ends at first + n
+        width = self.width_for(max(f + n for f in firsts) + 2 * self.k)
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([list(range(f, e)) + [e - 1] * (n - m) for f, e, m in zip(firsts, ends, lens)],
                            dtype=torch.long, device=dev)
@@ -767,7 +770,8 @@ class ModelRunner:
         for r, (_, _, kept) in enumerate(rows):
             hidden[r, : len(kept)] = torch.stack([h[i] for h, i in kept])
         token = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.device)
-        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens))
+        lens_host = self._host_lengths(f + n for f in firsts)  # each block's padded end (see _chunk)
+        drafts = self._draft_chunk(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens, lens_host))
         idx = torch.tensor([i for i, _, _ in rows], dtype=torch.long, device=self.device)
         batch.input_ids[idx, 1:] = drafts[:, : batch.k].to(batch.input_ids.dtype)
         batch.num_draft[idx] = batch.k
@@ -785,12 +789,13 @@ class ModelRunner:
 
     def _replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
                 ) -> tuple[torch.Tensor, ...]:
-        key, args = self._replay_args(batch, width, noise)
+        key, args = self._replay_args(batch, width, noise, [])
         with suspended_if_compiled(self.backend):
             return self.spec_graphs(key, *args)
 
-    def _replay_args(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
-                     ) -> tuple[StepKey, tuple]:
+    def _replay_args(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None,
+                     running: list[Sequence]) -> tuple[StepKey, tuple]:
+        """The fused step's arguments for ``batch``, whose live rows are ``running`` (none: an inert batch)."""
         st = batch.sampling
         if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
             noise = self._unused_noise.get((batch.rows, batch.k))
@@ -800,9 +805,15 @@ class ModelRunner:
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
         # contiguous: a narrower view of the table would make the graph guard on its strides
+        lens_host = self._host_lengths([min(s.num_tokens + batch.k, self.cfg.max_model_len) for s in running]
+                                       + [0] * (batch.rows - len(running)))  # the verify's, as the graph's
         return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
-                     self.caches.target, self.caches.draft)
+                     self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
+
+    def _host_lengths(self, lengths: Iterable[int]) -> tuple[int, ...] | None:
+        """KV lengths as host ints for attention that reads them (``model.takes_host_lengths``), else None."""
+        return tuple(lengths) if self.model.takes_host_lengths else None
 
     def _step_fused(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
                     plan: StepPlan) -> StepOutput:
@@ -846,7 +857,7 @@ class ModelRunner:
             noise = spec_decode.RejectionNoise(
                 torch.cat([drawn.uniform, drawn.uniform.new_zeros(pad, k)]),
                 torch.cat([drawn.exponential, drawn.exponential.new_ones(pad, drawn.exponential.shape[1])]))
-        key, args = self._replay_args(batch, width, noise)
+        key, args = self._replay_args(batch, width, noise, running)
         counter = self._counted()
         t1 = time.perf_counter()
         with torch.no_grad():
@@ -916,6 +927,7 @@ class ModelRunner:
         table = torch.tensor([block_row(s, width) for s in running], dtype=torch.long, device=dev)
         seq_lens = torch.tensor([min(s.num_tokens - 1 + q, max_len) for s in running], dtype=torch.long,
                                 device=dev)
+        lens_host = self._host_lengths(min(s.num_tokens - 1 + q, max_len) for s in running)
         st = SamplingTensors.from_params([s.params for s in running], dev)
         num_draft_t = torch.tensor(num_draft, dtype=torch.long, device=dev)
 
@@ -926,7 +938,7 @@ class ModelRunner:
             try:
                 with suspended_if_compiled(self.backend):
                     hidden, logits = self.target_graph([input_ids, positions, slots, table, seq_lens],
-                                                       (self.caches.target,))
+                                                       (self.caches.target,), host_lengths=lens_host)
                 if self.proposer is None:
                     sampled = sample(logits[:, 0], st, generator).view(b, 1)
                     valid = torch.ones(b, dtype=torch.long, device=dev)
@@ -939,7 +951,7 @@ class ModelRunner:
                     discard = torch.zeros(b, dtype=torch.bool, device=dev)
                     next_ids, valid = self.proposer.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0])
                     drafts = self._draft(input_ids, positions, hidden, slots, table, seq_lens, next_ids, valid,
-                                         num_draft_t)
+                                         num_draft_t, lens_host)
             finally:
                 self._count_end(counter, stats)
         n_logprobs = max((s.params.logprobs or 0 for s in running), default=0)
@@ -956,7 +968,7 @@ class ModelRunner:
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,
-               num_draft: torch.Tensor) -> torch.Tensor:
+               num_draft: torch.Tensor, lens_host: tuple[int, ...] | None) -> torch.Tensor:
         assert self.proposer is not None and self.spec is not None
         b, q = input_ids.shape
         qsl = torch.arange(b + 1, device=input_ids.device) * q
@@ -965,5 +977,6 @@ class ModelRunner:
         if self.spec.disable_padded_drafter_batch:  # rejected tokens dropped, on device at the same width
             input_ids, positions, hidden, slots, seq_lens = spec_decode.compact_rejected(
                 input_ids, positions, hidden, slots, seq_lens, sample_idx)
+        # unpadded: the verify's lengths still bound the compacted rows' (see graph.mla_kernels.npu_mla)
         return self.proposer.propose(DraftInputs(input_ids, positions, hidden, slots, next_ids, sample_idx, table,
-                                                 seq_lens))
+                                                 seq_lens, lens_host))

@@ -44,7 +44,7 @@ class MtpTorchairProposer(MtpProposer):
         super().load_model(model)
         widths = {1 + self.num_speculative_tokens, *self.prefill_widths}
         self.graph = BucketedGraph(self.backend, self._draft_fn, "draft", self.batch_sizes, DRAFT_BATCH_ARGS,
-                                   query_widths=sorted(widths))
+                                   query_widths=sorted(widths), host_lengths=model.takes_host_lengths)
 
     def graph_serves(self, batch: int, query: int) -> bool:
         """Whether a draft of ``batch`` requests × ``query`` tokens replays a compiled graph (else eager): decode
@@ -69,10 +69,11 @@ class MtpTorchairProposer(MtpProposer):
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                   seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   seq_lens: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         args = [input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens]
         if self.graph.query_for(input_ids.shape[1]) is None:
             # Wider than every graph (a long prompt chunk): the eager reference.
-            return super()._run_draft(*args)
+            return super()._run_draft(*args, seq_lens_host=seq_lens_host)
         with torch.no_grad(), suspended_if_compiled(self.backend):
-            return self.graph(args, (self.draft_cache,))
+            return self.graph(args, (self.draft_cache,), host_lengths=seq_lens_host)

@@ -423,10 +423,19 @@ class AscendSpecMtpMixin:
         # Context is data: on backends that compile a dynamic width the table covers the live blocks only
         # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
         width = live_blocks(f.max_seq_len + k, full, block) if self._ascend.backend.shapes.trim_context else full
+        # Attention that reads host KV lengths (torch_npu's) gets the runner's host ones, optimistic under async
+        # scheduling as vllm-ascend's own drafter passes them (an upper bound, never a read of the device's),
+        # each aligned to its row's query block: a span right-padded to the batch's width ends that much later.
+        lens_host = None
+        if self._ascend.model.takes_host_lengths:
+            spans = (f.query_start_loc_cpu[1: b + 1] - f.query_start_loc_cpu[:b]).tolist()
+            upper = host_seq_lens_upper_bound(self.runner, b).tolist()
+            lens_host = tuple(u - n + ids.shape[1] for u, n in zip(upper, spans))
         inputs = DraftInputs(
             target_token_ids=ids, target_positions=pos, target_hidden_states=hidden, target_slot_mapping=slots,
             next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
-            block_table=_fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long())
+            block_table=_fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long(),
+            seq_lens_host=lens_host)
         with torch.inference_mode():
             draft = self._ascend.propose(inputs)
         self.ascend_stats.graph_failures = self._ascend.graph.num_failures

@@ -76,7 +76,11 @@ class BatchArg:
 
 class BucketedGraph:
     def __init__(self, backend: Backend, fn: Callable, prefix: str, sizes: Sequence[int],
-                 batch_args: Sequence[BatchArg], query_widths: Sequence[int] = ()) -> None:
+                 batch_args: Sequence[BatchArg], query_widths: Sequence[int] = (), host_lengths: bool = False
+                 ) -> None:
+        """``host_lengths``: ``fn`` takes last the KV lengths as host ints (attention that reads them, see
+        ``mla_kernels.PagedInputs.seq_lens_host``); every call passes them, padded here with the pad rows' 0 and,
+        where the query pads with inert tokens, lengthened as the query block is."""
         if not sizes:
             raise ValueError(f"{prefix}: graph batch sizes must not be empty")
         self.backend = backend
@@ -86,6 +90,7 @@ class BucketedGraph:
         #: the buckets, in requests (graphs serve batches up to the largest; rows pad to ``min_batch`` at least)
         self.sizes = sorted(set(sizes))
         self.batch_args = tuple(batch_args)
+        self.host_lengths = host_lengths
         self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
                                 width=tuple(i for i, a in enumerate(self.batch_args) if a.width),
                                 query=tuple(i for i, a in enumerate(self.batch_args) if a.query))
@@ -174,11 +179,18 @@ class BucketedGraph:
         (buf[:b, : x.shape[1]] if arg.query else buf[:b]).copy_(x)
         return buf
 
-    def __call__(self, batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = ()) -> tuple:
+    def __call__(self, batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
+                 host_lengths: tuple[int, ...] | None = None) -> tuple:
         if len(batch_inputs) != len(self.batch_args):
             raise ValueError(f"{self.prefix}: expected {len(self.batch_args)} batch inputs "
                              f"({[a.name for a in self.batch_args]}), got {len(batch_inputs)}")
         b = batch_inputs[0].shape[0]
+        if self.host_lengths != (host_lengths is not None) or host_lengths is not None and len(host_lengths) != b:
+            raise ValueError(f"{self.prefix}: host_lengths={host_lengths!r}; allowed: "
+                             + (f"{b} host ints, one per request" if self.host_lengths else
+                                "None (this graph's attention reads the device lengths)"))
+        if host_lengths is not None:
+            static_inputs = (*static_inputs, tuple(host_lengths))
         bucket = self.bucket_for(b)
         query = batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None
         width = None if query is None else self.query_for(query)
@@ -191,6 +203,11 @@ class BucketedGraph:
         if query is not None and width is None:  # wider than every graph: the caller knew (``serves``)
             return tuple(self.eager_fn(*batch_inputs, *static_inputs))
         padded = [self._pad(arg, x, bucket, width) for arg, x in zip(self.batch_args, batch_inputs)]
+        if host_lengths is not None:
+            # a query padded with inert tokens ends later: each live row's length follows its query block
+            longer = 0 if query is None or width is None else width - query
+            lengths = tuple(n + longer if n else 0 for n in host_lengths) + (0,) * (bucket - b)
+            static_inputs = (*static_inputs[:-1], lengths)
         try:
             outputs = self._graph(bucket, width)(*padded, *static_inputs)
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault: rerun this step on the reference
@@ -227,8 +244,9 @@ class BucketedGraph:
                     if query is not None and arg.query:
                         x = x.new_zeros(x.shape[0], query, *x.shape[2:])
                     padded.append(self._pad(arg, x[:0], size, x.shape[1] if arg.query else None))
+                lengths = ((0,) * size,) if self.host_lengths else ()
                 self._graph(size, query if query is not None else self._example_query(example_batch_inputs))(
-                    *padded, *static_inputs)
+                    *padded, *static_inputs, *lengths)
             self.compile_seconds[size] = time.perf_counter() - start
             logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
         return dict(self.compile_seconds)

@@ -37,10 +37,11 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   graph per value). ``torch.compile(dynamic=False)`` specialises ints, so the compiling side marks these
   sources dynamic (vllm-ascend v0.11.0 compiled with ``dynamic=True`` and ``mark_static`` on every tensor;
   ``torch.compiler.config.dynamic_sources`` does it for the named sources only). Pad rows pass 0, as
-  vllm-ascend pads ``seq_lens_list``. Not covered: lengths that exist only on the device (the draft chain's
-  steps 2..K depend on acceptance); there the host must learn them first, as vllm-ascend's torchair MTP
-  proposer did between its per-step graphs, or torchair's tensor-length variant
-  (``torchair.ops.npu_fused_infer_attention_score``, GE mode only) takes them.
+  vllm-ascend pads ``seq_lens_list``. The draft chain's steps 2..K have lengths that follow acceptance, known
+  only on the device; there the host passes an upper bound, the verify's length plus the step
+  (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its ``seq_lens_cpu + 1`` per step,
+  no sync): a draft token may then also attend to the keys of rejected positions, which can cost acceptance,
+  never correctness (the target verifies every draft with exact lengths).
 Pad rows (``seq_lens == 0``) get a finite, discarded result.
 """
 from __future__ import annotations
@@ -59,8 +60,11 @@ class PagedInputs(NamedTuple):
     slot_mapping: torch.Tensor  # [B, Q] int64; -1 = write nothing (pad rows / pad tokens)
     block_table: torch.Tensor  # [B, M] int32/int64; block ids of each request, in position order
     seq_lens: torch.Tensor  # [B] int64; tokens in the cache after this forward (0 for pad rows)
-    #: ``seq_lens`` as host ints, built by the runner from its own counts (never read back from the device);
-    #: only :func:`npu_mla` uses it, the reference kernels ignore it
+    #: per request, as host ints from the runner's own counts (never read back from the device), the KV length
+    #: its query block ends at: the first query's position + Q. That is ``seq_lens`` for a full block (a verify);
+    #: a block right-padded with inert tokens (a short prompt in a batch) ends at its padded end, so that the
+    #: op's causal diagonal, aligned to the last key, puts each real token on its own position. An upper bound
+    #: where the exact length follows acceptance (draft steps 2..K). Only :func:`npu_mla` reads it.
     seq_lens_host: tuple[int, ...] | None = None
 
 
@@ -181,6 +185,13 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
 
 
 KERNELS: dict[str, MLAKernel] = {"gather": gather_mla, "flex": flex_mla, "npu": npu_mla}
+#: kernels that read ``PagedInputs.seq_lens_host``: callers pass host lengths to these only (a compiled graph
+#: that took ints it never reads would guard on them)
+HOST_LENGTH_KERNELS = frozenset({"npu"})
+#: what the host lengths are called in every step function, and the Dynamo sources that mark them dynamic
+#: (``torch.compiler.config.dynamic_sources``: one graph for every length, pad rows' 0 included)
+HOST_LENGTHS_ARG = "seq_lens_host"
+HOST_LENGTHS_SOURCES = rf"L\['{HOST_LENGTHS_ARG}'\]\[\d+\]"
 
 
 def live_blocks(longest_tokens: int, max_blocks: int, block_size: int, minimum: int = 2) -> int:

@@ -19,7 +19,7 @@ from .attention import MLAttention, PagedInputs
 from .config import ModelConfig
 from .latent_cache import LatentCache
 from .layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding
-from .mla_kernels import KERNELS
+from .mla_kernels import HOST_LENGTH_KERNELS, KERNELS
 from .moe import MoE
 
 if TYPE_CHECKING:
@@ -124,6 +124,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attention_kernel = name
 
     attention_kernel = "gather"
+
+    @property
+    def takes_host_lengths(self) -> bool:
+        """Whether its attention reads host KV lengths (``PagedInputs.seq_lens_host``): callers pass them then."""
+        return self.attention_kernel in HOST_LENGTH_KERNELS
 
     def use_backend(self, backend: Backend) -> None:
         """What the backend chose for this model's kernels: the paged attention kernel and weight-left products

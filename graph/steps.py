@@ -20,14 +20,29 @@ TargetStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-__all__ = ["make_draft_step", "make_prefill_step", "make_target_step", "slots_for"]
+__all__ = ["draft_lens_host", "make_draft_step", "make_prefill_step", "make_target_step", "slots_for"]
+
+
+HostLengths = tuple[int, ...] | None
+
+
+def draft_lens_host(seq_lens_host: HostLengths, step: int, max_model_len: int) -> HostLengths:
+    """Host KV lengths of draft step ``step + 1`` (``step`` ≥ 1): the first step's plus ``step``, at most
+    ``max_model_len``, pad rows 0. An upper bound: the exact length follows acceptance, known only on the device
+    (see :func:`.mla_kernels.npu_mla`)."""
+    if seq_lens_host is None:
+        return None
+    return tuple(min(n + step, max_model_len) if n else 0 for n in seq_lens_host)
 
 
 def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
+    """``seq_lens_host`` (every step function's last argument): ``seq_lens`` as host ints, for kernels that read
+    them (``model.takes_host_lengths``), else None."""
+
     def target_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+                    block_table: torch.Tensor, seq_lens: torch.Tensor, caches: tuple[LatentCache, ...],
+                    seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         hidden = model.target_paged(input_ids, inp, list(caches))
         return hidden, model.logits(hidden)
 
@@ -41,8 +56,9 @@ def make_prefill_step(model: DeepseekV3ForCausalLM) -> TargetStep:
 
     def prefill_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                      block_table: torch.Tensor, seq_lens: torch.Tensor, last_idx: torch.Tensor,
-                     caches: tuple[LatentCache, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+                     caches: tuple[LatentCache, ...], seq_lens_host: HostLengths = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         hidden = model.target_paged(input_ids, inp, list(caches))
         idx = last_idx.long().view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
         return hidden, model.logits(torch.gather(hidden, 1, idx).squeeze(1))
@@ -65,8 +81,8 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
 
     def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
                    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   cache: LatentCache) -> tuple[torch.Tensor, torch.Tensor]:
-        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens)
+                   cache: LatentCache, seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         block_size = block_size_of(cache)
         h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
         idx = sample_idx.long().view(-1, 1)
@@ -83,7 +99,8 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table, block_size).view(-1),
                                torch.full_like(pos, -1))
             step_seq_lens = torch.where(writable, clamped + 1, live.long())
-            step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens)
+            step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens,
+                                   draft_lens_host(seq_lens_host, step, max_model_len))
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
             h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,
                                      step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1])

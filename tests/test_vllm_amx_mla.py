@@ -4,7 +4,8 @@ AMX_MLA keeps ``W_UK`` / ``W_UV`` only VNNI-packed in its impl (no ``W_UK_T`` / 
 draft graph's absorbed products run vLLM's own kernels on those packed weights (``bmm_cpu``, ``_v_up_proj``);
 the drafter stats name the path taken. The backend takes block sizes that are multiples of 32 only: the draft
 chain's steps 2..K write at slots in the cache's own block size. Engines: vLLM no-spec, vLLM's deepseek_mtp drafter
-and ours at block 32 (K = 2, 3) and 128 (K = 2), greedy, on the small trained fixture.
+and ours at every block size it takes among 16, 32, 64 and 128 (32, 64, 128), K = 2 and 3, greedy, on the small
+trained fixture.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ pytestmark = [
 ]
 
 #: bf16 (AMX_MLA's only dtype), the backend left to vLLM for the target and the draft layer alike, at the block
-#: sizes it takes (multiples of 32): 32, and 128 (vllm-ascend's MLA block)
+#: sizes it takes (multiples of 32): 32, 64 (FlashMLA's) and 128 (vllm-ascend's MLA block)
 def amx(block_size: int) -> dict:
     return {"llm": {"max_num_seqs": 4, "dtype": "bfloat16", "block_size": block_size, "attention_backend": None},
             "spec": {"attention_backend": None}}
 
 
 #: (block size, K) pairs drafted by vLLM's drafter and ours
-CASES = [(32, 2), (32, 3), (128, 2)]
+CASES = [(bs, k) for bs in (32, 64, 128) for k in (2, 3)]
 CONFIGS = [{"name": "none", "drafter": "none", "logprobs": 2, "llm": amx(32)["llm"]}] + [
     {"name": f"{who}_bs{bs}_k{k}", "drafter": who, "k": k, **({"graph": GRAPH} if who == "ours" else {}), **amx(bs)}
     for bs, k in CASES for who in ("vllm", "ours")]

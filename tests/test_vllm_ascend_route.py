@@ -256,6 +256,7 @@ class RecordingDraft:
         self.num_speculative_tokens = k
         self.draft_cache = cache
         self.inputs = []
+        self.model = types.SimpleNamespace(takes_host_lengths=False)  # the reference kernel's: device lengths
         self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
                                            tokens_for=lambda b, q: (b + b % 2) * max(q, 8))  # even rows, q >= 8
         # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
@@ -340,6 +341,21 @@ def test_propose_repacks_a_ragged_prefill_step(release):
     assert x.token_indices_to_sample.tolist() == [3, 0]
     assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.eager_calls == 0  # a 4-token chunk: a graph's width
 
+
+
+def test_attention_reading_host_lengths_gets_the_runners_aligned_to_each_query_block(release):
+    """torch_npu's attention reads KV lengths from the host (``npu_mla``): the adapter hands the runner's host
+    lengths (optimistic under async scheduling), never the device's, each where its row's query block ends: a
+    decode row's verify length; a prefill span right-padded to the batch's width ends as much later."""
+    d = built_adapter()
+    d._ascend.model.takes_host_lengths = True
+    d.runner = types.SimpleNamespace(optimistic_seq_lens_cpu=torch.tensor([13, 23, 0]))
+    d._propose(**recorded_inputs([0, 3, 6], [13, 23], [1, 5]))
+    d.runner = types.SimpleNamespace(optimistic_seq_lens_cpu=torch.tensor([4, 9, 0]))
+    d._propose(**recorded_inputs([0, 4, 5], [4, 9], [3, 4]))  # spans of 4 and 1 token, packed 4 wide
+    decode, prefill = d._ascend.inputs
+    assert decode.seq_lens_host == (13, 23) and prefill.seq_lens_host == (4, 12)
+    assert all(type(n) is int for n in decode.seq_lens_host + prefill.seq_lens_host)
 
 
 def test_propose_packs_an_unpadded_decode_step_at_the_decode_width(release):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
+from ..mla_kernels import HOST_LENGTHS_SOURCES
 from .lint import GraphLint
 
 #: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
@@ -87,4 +88,17 @@ class TorchairBackend:
             # so Dynamo does not invalidate one size's cache when another compiles. cache_compile builds its own
             # backend from the config: these graphs are not linted.
             return self._torchair.inference.cache_compile(fn, config=self._config, dynamic=False)
-        return torch.compile(fn, backend=self.lint.wrap(self._npu_backend, tag), fullgraph=True, dynamic=False)
+        compiled = torch.compile(fn, backend=self.lint.wrap(self._npu_backend, tag), fullgraph=True, dynamic=False)
+        return with_host_lengths_dynamic(compiled)
+
+
+def with_host_lengths_dynamic(compiled: GraphFn) -> GraphFn:
+    """``compiled``, tracing the host KV lengths (``mla_kernels.HOST_LENGTHS_ARG``) as symbols: torchair feeds a
+    SymInt input to the GE graph as a host input, where an int would be a constant (a graph per length).
+    ``dynamic_sources`` is read when Dynamo traces, so it is set around every call."""
+
+    def graph(*args: Any) -> Any:
+        with torch.compiler.config.patch(dynamic_sources=HOST_LENGTHS_SOURCES):
+            return compiled(*args)
+
+    return graph

@@ -1,0 +1,123 @@
+"""Host KV lengths for attention that reads them (torch_npu's fused attention, ``mla_kernels.npu_mla``): every step
+function passes them, the draft chain's steps 2..K an upper bound (the verify's length plus the step, as vllm-ascend's
+padded drafter), and no step reads the device's. Runs the NPU kernel's composition on CPU through the op's stand-in
+(``test_mla_kernels``); the op itself, in bf16 on an NPU, is unverified here."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.engine import load_engine
+from ascend_spec.graph.backends.eager import EagerBackend
+from ascend_spec.graph.backends.torchair import with_host_lengths_dynamic
+from ascend_spec.graph.buckets import BatchArg, BucketedGraph
+from ascend_spec.graph.steps import draft_lens_host
+from ascend_spec.sampling import SamplingParams
+from ascend_spec.sync_counter import suspended
+from ascend_spec.tokenizer import TextTokenizer
+
+from .test_mla_kernels import _fused_infer_attention_tnd
+
+TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
+         "for i in range(10):\n", "    return"]
+MAX_TOKENS = [30, 50, 20, 60, 40]
+
+
+def test_draft_steps_bound_their_lengths_on_the_host():
+    assert draft_lens_host((40, 0, 127), 1, 128) == (41, 0, 128)
+    assert draft_lens_host((40, 0, 127), 2, 128) == (42, 0, 128)
+    assert draft_lens_host(None, 1, 128) is None
+
+
+def test_a_graph_taking_host_lengths_gets_them_padded_and_refuses_a_call_without():
+    seen = []
+
+    def fn(x, lens):
+        seen.append(lens)
+        return (x + 1,)
+
+    graph = BucketedGraph(EagerBackend(), fn, "t", [2, 4], (BatchArg("x", 0),), host_lengths=True)
+    graph([torch.zeros(3)], host_lengths=(5, 6, 7))
+    assert seen[-1] in ((5, 6, 7), (5, 6, 7, 0))  # exact-batch backends run 3 rows, per-bucket ones 4
+    with pytest.raises(ValueError, match="host_lengths=None; allowed: 3 host ints"):
+        graph([torch.zeros(3)])
+    plain = BucketedGraph(EagerBackend(), lambda x: (x,), "p", [2], (BatchArg("x", 0),))
+    with pytest.raises(ValueError, match="allowed: None"):
+        plain([torch.zeros(2)], host_lengths=(1, 2))
+
+
+def test_host_lengths_trace_as_symbols_one_graph_for_every_length():
+    """What torchair's compile relies on (``with_host_lengths_dynamic``): the lengths, pad rows' 0 included, are
+    graph inputs, not constants. Without it each new length compiles again."""
+
+    def step(x, seq_lens_host):
+        return x * seq_lens_host[0] + seq_lens_host[1]
+
+    lengths = [(3, 4), (0, 6), (7, 0), (9, 12)]
+    for wrap, graphs in ((with_host_lengths_dynamic, 1), (lambda f: f, len(lengths))):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = wrap(torch.compile(step, backend="eager", dynamic=False, fullgraph=True))
+        for lens in lengths:
+            assert torch.equal(compiled(torch.ones(2), lens), step(torch.ones(2), lens))
+        assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.fixture
+def npu_attention(monkeypatch):
+    """The eager engine on the NPU kernel, through the op's stand-in; records each call's query and KV lengths."""
+    calls: list[tuple[list[int], list[int]]] = []
+
+    def op(query, key, value, **kwargs):
+        calls.append((list(kwargs["actual_seq_lengths"]), list(kwargs["actual_seq_lengths_kv"])))
+        with suspended():
+            return _fused_infer_attention_tnd(query, key, value, **kwargs)
+
+    fake = types.ModuleType("torch_npu")
+    fake.npu_fused_infer_attention_score = op
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setattr(EagerBackend, "attention_kernel", "npu")
+    return calls
+
+
+def _config(fused: bool, unpadded: bool = False) -> EngineConfig:
+    return EngineConfig(max_model_len=256, max_num_seqs=4, block_size=128, kv_layout="pair",
+                        speculative=SpeculativeConfig(num_speculative_tokens=3,
+                                                      disable_padded_drafter_batch=unpadded),
+                        graph=TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)),
+                        fused_step=fused, adaptive_k=False)
+
+
+@pytest.mark.parametrize("fused, unpadded", [(True, False), (False, False), (True, True)],
+                         ids=["fused", "step_by_step", "unpadded"])
+def test_npu_attention_reads_no_device_length(trained_dir, npu_attention, monkeypatch, fused, unpadded):
+    """vllm-ascend's layout (block 128, nope and rope apart), K = 3, 5 requests over 4 slots: prompts, verifies and
+    draft chains all hand the op host lengths (0 host syncs), the greedy tokens equal the reference kernel's, and
+    the drafts bounded by the verify's length keep ≥ 0.9 of the exact kernel's acceptance."""
+    tok = TextTokenizer(trained_dir)
+    prompts = [tok.encode(t) for t in TEXTS]
+    eng = load_engine(trained_dir, _config(fused, unpadded), count_host_syncs=True)
+    assert eng.model.takes_host_lengths
+    out, stats, metrics = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    # A draft chain: its first step (a query of several tokens a request), then steps 2..K of one token, each
+    # bounded by the first step's length plus the step.
+    chains = 0
+    for i, (q, kv) in enumerate(npu_attention[:-2]):
+        if q[0] > 1 and npu_attention[i + 1][0][0] == 1:
+            chains += 1
+            for step in (1, 2):
+                assert npu_attention[i + step][1] == [n + step if n else 0 for n in kv]
+    assert chains >= 10
+
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    monkeypatch.setattr(EagerBackend, "attention_kernel", "gather")
+    ref_out, _, ref_metrics = load_engine(trained_dir, _config(fused, unpadded)).generate(
+        prompts, SamplingParams(), MAX_TOKENS)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref_out]
+    assert metrics.num_accepted_tokens >= 0.9 * ref_metrics.num_accepted_tokens, (metrics.as_dict(), ref_metrics.as_dict())
