@@ -40,7 +40,10 @@ import torch
 
 from ascend_spec import spec_decode
 from ascend_spec.config import SpeculativeConfig
-from ascend_spec.graph.backends import get_backend
+from ascend_spec.graph.backends import Backend, get_backend
+from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
+from ascend_spec.graph.backends.compile_cache import CacheKey, open_default_cache
+from ascend_spec.graph.external import opaque_indices
 from ascend_spec.graph.latent_cache import (LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
                                             describe, same_shape)
 from ascend_spec.graph.mla_kernels import live_blocks
@@ -59,6 +62,7 @@ from .shims import (
     detected_drift,
     discard_mask,
     host_seq_lens_upper_bound,
+    installed_vllm_version,
     moe_forward_context,
     probe_proposer_api,
     probe_runner,
@@ -92,6 +96,8 @@ class DrafterStats:
     graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs
     rank: int = 0
     warmup_seconds: float = 0.0
+    graphs_loaded: int = 0  # draft graphs loaded whole from our compile cache at warm-up (CPU), without tracing
+    graphs_saved: int = 0  # ... and compiled, then saved there
     buckets: list[int] = field(default_factory=list)
     backend: str = ""
     weights_owned_bytes: int = 0  # tensors the drafter holds that are not vLLM's (RoPE tables at most)
@@ -228,6 +234,7 @@ class AscendSpecMtpMixin:
                               graph_failure=s.graph_failure)
         k = self.num_speculative_tokens
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
+        backend.store = self._graph_store(backend, sizes)
         spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=self.num_speculative_tokens)
         self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
                                            backend=backend, batch_sizes=sizes, prefill_widths=g.prefill_query_widths)
@@ -247,6 +254,8 @@ class AscendSpecMtpMixin:
             with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):
                 self._ascend.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
+        if backend.store is not None:
+            st.graphs_loaded, st.graphs_saved = backend.store.loaded, backend.store.compiled
         st.graph_host_ops = len(backend.lint.findings)
         logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
                     "weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
@@ -254,6 +263,31 @@ class AscendSpecMtpMixin:
                     st.weights_owned_bytes / 2**20)
         if self._ascend_stats_file is not None:
             self._ascend_stats_file.write()
+
+    def _graph_store(self, backend: Backend, sizes: list[int]) -> GraphStore | None:
+        """On CPU, the draft graphs saved whole in our compile cache (``graph.backends.aot_graphs``), as our engine
+        saves its own: a warm start loads them without tracing. Keyed by everything the traced code depends on
+        here besides our sources: vLLM's version, its attention backend and quantisation, TP rank, block size and
+        layout; and the numbers of the opaque externals (vLLM's MoE) the graph calls, which count the engines this
+        process built before. The graphs close over vLLM's modules, passed by reference, never pickled."""
+        if backend.name != "inductor" or self.device.type != "cpu" or not aot_available():
+            return None
+        cache = open_default_cache(inductor=False)  # vLLM points inductor's cache itself
+        if cache is None:
+            return None
+        model_cfg = self.vllm_config.model_config
+        attn = self._ascend_model.mtp_layer(0).self_attn
+        key = CacheKey(what="vllm_drafter", model_config=self._ascend_model.cfg.to_hf_dict(), backend=backend.name,
+                       backend_options={"device": str(self.device), "capability": device_capability(self.device),
+                                        "dtype": str(model_cfg.dtype), "vllm": installed_vllm_version(),
+                                        "quantization": model_cfg.quantization or "",
+                                        "absorb": attn.uk_proj.name if attn.uk_proj is not None else "views",
+                                        "tp": [self.ascend_stats.rank, self._ascend_tp],
+                                        "block_size": draft_block_size(self), "kv_layout": self._ascend_kv_layout,
+                                        "max_model_len": self.max_model_len, "batch_sizes": list(sizes),
+                                        "attention": backend.attention_kernel,
+                                        "opaque_externals": opaque_indices(self._ascend_model)})
+        return GraphStore(cache, key, external=module_refs(self._ascend_model))
 
     def _bind_cache(self) -> None:
         cfg = self._ascend_model.cfg

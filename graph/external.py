@@ -56,3 +56,9 @@ class External(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name} (opaque)" if self.index is not None else self.name
+
+
+def opaque_indices(model: nn.Module) -> list[int]:
+    """The op indices of ``model``'s opaque Externals: a compiled graph calls its externals by these numbers, which
+    are this process's (the order engines registered them), so a graph saved whole is valid only where they match."""
+    return [m.index for m in model.modules() if isinstance(m, External) and m.index is not None]

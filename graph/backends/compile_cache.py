@@ -393,8 +393,9 @@ class CompileCache:
         return False
 
 
-def open_default_cache() -> CompileCache | None:
-    """The engine's entry point: the cache at :func:`cache_root`, inductor's working cache pointed into it.
+def open_default_cache(inductor: bool = True) -> CompileCache | None:
+    """The engine's entry point: the cache at :func:`cache_root`, inductor's working cache pointed into it (unless
+    ``inductor`` is False: a host engine that points it elsewhere).
 
     None (compile without caching) when ``ASCEND_SPEC_DISABLE_COMPILE_CACHE=1`` or, with one warning, when
     the folder is not private.
@@ -406,7 +407,8 @@ def open_default_cache() -> CompileCache | None:
     except CacheDirError as exc:
         log.warning("%s; compiling without the cache", exc)
         return None
-    cache.use_for_inductor()
+    if inductor:
+        cache.use_for_inductor()
     return cache
 
 
