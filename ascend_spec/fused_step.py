@@ -135,7 +135,7 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     ``num_draft [B]`` (drafts in ``input_ids`` to verify), ``block_table [B, M]``, ``live [B]``, the sampling
     tensors ``temperature, top_k, top_p, greedy [B]`` and the noise ``uniform [B, k]``, ``exponential [B, V]``
     (unused in greedy mode), then the target caches and the draft cache, and for attention that reads host KV
-    lengths the verify's ``seq_lens_host`` (``min(start + 1 + k, max_model_len)`` per live row, 0 per pad row).
+    lengths the verify's ``seq_lens_host`` (``start + 1 + k`` per live row, unclamped; 0 per pad row).
     Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
     ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``;

@@ -805,8 +805,8 @@ class ModelRunner:
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
         # contiguous: a narrower view of the table would make the graph guard on its strides
-        lens_host = self._host_lengths([min(s.num_tokens + batch.k, self.cfg.max_model_len) for s in running]
-                                       + [0] * (batch.rows - len(running)))  # the verify's, as the graph's
+        # where each verify block ends, past max_model_len too (its tokens there are inert): see PagedInputs
+        lens_host = self._host_lengths([s.num_tokens + batch.k for s in running] + [0] * (batch.rows - len(running)))
         return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
                      self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
@@ -927,7 +927,7 @@ class ModelRunner:
         table = torch.tensor([block_row(s, width) for s in running], dtype=torch.long, device=dev)
         seq_lens = torch.tensor([min(s.num_tokens - 1 + q, max_len) for s in running], dtype=torch.long,
                                 device=dev)
-        lens_host = self._host_lengths(min(s.num_tokens - 1 + q, max_len) for s in running)
+        lens_host = self._host_lengths(s.num_tokens - 1 + q for s in running)  # see _replay_args
         st = SamplingTensors.from_params([s.params for s in running], dev)
         num_draft_t = torch.tensor(num_draft, dtype=torch.long, device=dev)
 

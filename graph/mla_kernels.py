@@ -62,8 +62,9 @@ class PagedInputs(NamedTuple):
     seq_lens: torch.Tensor  # [B] int64; tokens in the cache after this forward (0 for pad rows)
     #: per request, as host ints from the runner's own counts (never read back from the device), the KV length
     #: its query block ends at: the first query's position + Q. That is ``seq_lens`` for a full block (a verify);
-    #: a block right-padded with inert tokens (a short prompt in a batch) ends at its padded end, so that the
-    #: op's causal diagonal, aligned to the last key, puts each real token on its own position. An upper bound
+    #: a block right-padded with inert tokens (a short prompt in a batch, a verify reaching past
+    #: ``max_model_len``) ends at its padded end, so that the op's causal diagonal, aligned to the last key, puts
+    #: each real token on its own position. An upper bound
     #: where the exact length follows acceptance (draft steps 2..K). Only :func:`npu_mla` reads it.
     seq_lens_host: tuple[int, ...] | None = None
 
@@ -173,12 +174,17 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
     causal = q_len > 1
     mask = (torch.ones(NPU_CAUSAL_MASK_SIZE, NPU_CAUSAL_MASK_SIZE, dtype=torch.int8, device=q_lat.device).triu(1)
             if causal else None)
+    table = inp.block_table.to(torch.int32)
+    if causal:
+        # A query block may end up to Q - 1 keys past max_model_len, past the table: the columns that covers point
+        # at block 0, whose keys only the inert queries there see.
+        table = F.pad(table, (0, -(-(q_len - 1) // block)))
     key = kv_c.view(num_blocks, 1, block, c)  # (blocknum, KV_N, blocksize, D): KV_N = 1, the same memory
     out, _ = torch_npu.npu_fused_infer_attention_score(
         query.contiguous(), key, key,
         query_rope=query_rope.contiguous(), key_rope=kv_pe.view(num_blocks, 1, block, kv_pe.shape[-1]),
         num_heads=h_op, num_key_value_heads=1, input_layout=NPU_INPUT_LAYOUT, scale=scale,
-        block_table=inp.block_table.to(torch.int32), block_size=block,
+        block_table=table, block_size=block,
         actual_seq_lengths=[q_len * (i + 1) for i in range(b)], actual_seq_lengths_kv=kv_lens,
         atten_mask=mask, sparse_mode=3 if causal else 0)
     return out[:h].view(h, b, q_len, c).permute(1, 2, 0, 3)  # NTD -> [B, Q, H, C]

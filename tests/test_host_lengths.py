@@ -16,12 +16,13 @@ from ascend_spec.engine import load_engine
 from ascend_spec.graph.backends.eager import EagerBackend
 from ascend_spec.graph.backends.torchair import with_host_lengths_dynamic
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph
+from ascend_spec.graph.mla_kernels import gather_mla, npu_mla
 from ascend_spec.graph.steps import draft_lens_host
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.sync_counter import suspended
 from ascend_spec.tokenizer import TextTokenizer
 
-from .test_mla_kernels import _fused_infer_attention_tnd
+from .test_mla_kernels import _batch, _fused_infer_attention_tnd
 
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
          "for i in range(10):\n", "    return"]
@@ -85,8 +86,8 @@ def npu_attention(monkeypatch):
     return calls
 
 
-def _config(fused: bool, unpadded: bool = False) -> EngineConfig:
-    return EngineConfig(max_model_len=256, max_num_seqs=4, block_size=128, kv_layout="pair",
+def _config(fused: bool, unpadded: bool = False, max_model_len: int = 256, block_size: int = 128) -> EngineConfig:
+    return EngineConfig(max_model_len=max_model_len, max_num_seqs=4, block_size=block_size, kv_layout="pair",
                         speculative=SpeculativeConfig(num_speculative_tokens=3,
                                                       disable_padded_drafter_batch=unpadded),
                         graph=TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)),
@@ -121,3 +122,36 @@ def test_npu_attention_reads_no_device_length(trained_dir, npu_attention, monkey
         prompts, SamplingParams(), MAX_TOKENS)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref_out]
     assert metrics.num_accepted_tokens >= 0.9 * ref_metrics.num_accepted_tokens, (metrics.as_dict(), ref_metrics.as_dict())
+
+
+def test_a_verify_block_reaching_past_max_model_len_keeps_its_real_tokens_exact(npu_attention):
+    """max_model_len 48 in blocks of 16 (a 3-column table); a row at 46 verifies 4 tokens: positions 46, 47, then
+    two past the end (clamped to 0, inert). Its host length is where the block ends (50, past the table), so the
+    op's diagonal puts the two real tokens on their own keys, as the reference sees them; the clamped length (48)
+    would hide two keys from each."""
+    q_lat, q_pe, cache, inp = _batch([48, 30], 4, width=3)
+    positions = torch.tensor([[46, 47, 0, 0], [26, 27, 28, 29]])
+    inp = inp._replace(positions=positions)
+    ref = gather_mla(q_lat, q_pe, cache, inp, 0.1)
+    got = npu_mla(q_lat, q_pe, cache, inp._replace(seq_lens_host=(50, 30)), 0.1)
+    torch.testing.assert_close(got[0, :2], ref[0, :2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+    clamped = npu_mla(q_lat, q_pe, cache, inp._replace(seq_lens_host=(48, 30)), 0.1)
+    assert not torch.allclose(clamped[0, :2], ref[0, :2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
+def test_npu_attention_to_the_end_of_max_model_len(trained_dir, npu_attention, monkeypatch, fused):
+    """Every request runs into ``max_model_len`` (48, three blocks of 16): the last verifies' query blocks reach past
+    it, and their real tokens still see exactly their own keys (the op aligns each block's diagonal to its last
+    key), so the greedy tokens equal the reference kernel's to the last one."""
+    tok = TextTokenizer(trained_dir)
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    cfg = _config(fused, max_model_len=48, block_size=16)
+    out, stats, _ = load_engine(trained_dir, cfg, count_host_syncs=True).generate(prompts, SamplingParams(), 64)
+    assert stats.host_syncs == 0, stats.host_sync_events[:5]
+    assert all(len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, out))
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    monkeypatch.setattr(EagerBackend, "attention_kernel", "gather")
+    ref, _, _ = load_engine(trained_dir, cfg).generate(prompts, SamplingParams(), 64)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
