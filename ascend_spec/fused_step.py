@@ -31,7 +31,7 @@ GREEDY, RANDOM = "greedy", "random"
 MAX_LOGPROBS = 20
 SpecStep = Callable[..., tuple[torch.Tensor, ...]]
 #: the fused step's batch arguments (input_ids … exponential) and its block table (argument 3)
-SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(11)), width=(3,))
+SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(11)), width=(3,), pools_from=11)
 
 
 def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -61,9 +61,9 @@ class SpecPhases:
 
 
 #: batch (dim 0) and block-table width (dim 1) arguments of each phase
-PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,)),
+PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,), pools_from=5),
               "accept": DynamicDims(batch=tuple(range(9))),
-              "propose": DynamicDims(batch=tuple(range(9)), width=(7,))}
+              "propose": DynamicDims(batch=tuple(range(9)), width=(7,), pools_from=9)}
 
 
 def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,

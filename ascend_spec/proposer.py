@@ -33,7 +33,8 @@ class DraftInputs:
     token_indices_to_sample: torch.Tensor  # [B]
     block_table: torch.Tensor  # [B, M]
     seq_lens: torch.Tensor  # [B]
-    #: ``seq_lens`` as host ints, for attention that reads them (``model.takes_host_lengths``); else None
+    #: host ints, where each row's query block ends (``mla_kernels.PagedInputs.seq_lens_host``), for attention
+    #: that reads them (``model.takes_host_lengths``); else None
     seq_lens_host: tuple[int, ...] | None = None
 
 

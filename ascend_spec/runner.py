@@ -804,9 +804,10 @@ class ModelRunner:
                     torch.zeros(batch.rows, batch.k, device=self.device),
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
-        # contiguous: a narrower view of the table would make the graph guard on its strides
         # where each verify block ends, past max_model_len too (its tokens there are inert): see PagedInputs
-        lens_host = self._host_lengths([s.num_tokens + batch.k for s in running] + [0] * (batch.rows - len(running)))
+        lens_host = self._host_lengths([s.num_tokens + batch.k for s in running]
+                                       + [0] * (batch.rows - len(running)))
+        # contiguous: a narrower view of the table would make the graph guard on its strides
         return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
                      self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())

@@ -93,7 +93,8 @@ class BucketedGraph:
         self.host_lengths = host_lengths
         self.dims = DynamicDims(batch=tuple(range(len(self.batch_args))),
                                 width=tuple(i for i, a in enumerate(self.batch_args) if a.width),
-                                query=tuple(i for i, a in enumerate(self.batch_args) if a.query))
+                                query=tuple(i for i, a in enumerate(self.batch_args) if a.query),
+                                pools_from=len(self.batch_args))  # the caches come after the batch
         if bool(self.dims.query) != bool(query_widths) or min(query_widths, default=1) < 1:
             raise ValueError(f"{prefix}: query_widths={list(query_widths)!r}; allowed: widths >= 1, given exactly "
                              "when an argument has a query axis")

@@ -36,8 +36,8 @@ def draft_lens_host(seq_lens_host: HostLengths, step: int, max_model_len: int) -
 
 
 def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
-    """``seq_lens_host`` (every step function's last argument): ``seq_lens`` as host ints, for kernels that read
-    them (``model.takes_host_lengths``), else None."""
+    """``seq_lens_host`` (every step function's last argument): host ints, where each row's query block ends
+    (``PagedInputs.seq_lens_host``), for kernels that read them (``model.takes_host_lengths``), else None."""
 
     def target_step(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_table: torch.Tensor, seq_lens: torch.Tensor, caches: tuple[LatentCache, ...],

@@ -4,6 +4,7 @@ padded drafter), and no step reads the device's. Runs the NPU kernel's compositi
 (``test_mla_kernels``); the op itself, in bf16 on an NPU, is unverified here."""
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -13,15 +14,17 @@ from torch._dynamo.utils import counters
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
+from ascend_spec.fused_step import GREEDY, make_spec_step
 from ascend_spec.graph.backends.eager import EagerBackend
 from ascend_spec.graph.backends.torchair import with_host_lengths_dynamic
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph
-from ascend_spec.graph.mla_kernels import gather_mla, npu_mla
-from ascend_spec.graph.steps import draft_lens_host
+from ascend_spec.graph.mla_kernels import HOST_LENGTHS_ARG, HOST_LENGTHS_SOURCES, gather_mla, npu_mla
+from ascend_spec.graph.steps import draft_lens_host, make_draft_step, make_prefill_step, make_target_step
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.sync_counter import suspended
 from ascend_spec.tokenizer import TextTokenizer
 
+from .conftest import random_model
 from .test_mla_kernels import _batch, _fused_infer_attention_tnd
 
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
@@ -50,6 +53,16 @@ def test_a_graph_taking_host_lengths_gets_them_padded_and_refuses_a_call_without
     plain = BucketedGraph(EagerBackend(), lambda x: (x,), "p", [2], (BatchArg("x", 0),))
     with pytest.raises(ValueError, match="allowed: None"):
         plain([torch.zeros(2)], host_lengths=(1, 2))
+
+
+def test_every_step_function_takes_the_host_lengths_last_by_the_name_torchair_marks():
+    import inspect
+
+    model = random_model()
+    steps = [make_target_step(model), make_prefill_step(model), make_draft_step(model, 2, 64),
+             make_spec_step(model, 2, 64, GREEDY)]
+    assert [list(inspect.signature(f).parameters)[-1] for f in steps] == [HOST_LENGTHS_ARG] * 4
+    assert re.fullmatch(HOST_LENGTHS_SOURCES, f"L['{HOST_LENGTHS_ARG}'][3]")
 
 
 def test_host_lengths_trace_as_symbols_one_graph_for_every_length():

@@ -192,7 +192,30 @@ def _unmarked(args: tuple[Any, ...], dims: DynamicDims | None) -> tuple[Any, ...
     out = list(args)
     for i in {*dims.batch, *dims.width, *dims.query}:
         out[i] = args[i].detach()
+    if dims.pools_from is not None:
+        out[dims.pools_from:] = [_aliased(a) for a in args[dims.pools_from:]]
     return tuple(out)
+
+
+def _aliased(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.detach()
+    if isinstance(arg, (tuple, list)):
+        return type(arg)(_aliased(a) for a in arg)
+    return arg
+
+
+def mark_pools(args: tuple[Any, ...], dims: DynamicDims) -> None:
+    """Dim 0 of every cache tensor dynamic: the pool's block count is data (see ``DynamicDims.pools_from``)."""
+    if dims.pools_from is None:
+        return
+    pending = list(args[dims.pools_from:])
+    while pending:
+        arg = pending.pop()
+        if isinstance(arg, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
+        elif isinstance(arg, (tuple, list)):
+            pending += arg
 
 
 def _stance_refuses() -> bool:
@@ -249,6 +272,7 @@ class AotGraph:
         example = _unmarked(args, self.dims)
         if self.dims is not None:
             self._mark(example, self.dims)
+            mark_pools(example, self.dims)
         before = len(self.lint.findings)
         # Dynamo's capture counts it as a compile (``engine.dynamo_compile_count``), as any other
         variant = self._make_compiled(self.fn).aot_compile((example, {}))

@@ -56,6 +56,10 @@ class DynamicDims:
     batch: tuple[int, ...]
     width: tuple[int, ...] = ()
     query: tuple[int, ...] = ()
+    #: the arguments from this one on hold KV caches (tensors, or tensors in tuples), whose dim 0 counts the
+    #: pool's blocks: a host engine sizes it from free memory at each start, so a graph saved whole keeps it
+    #: dynamic (None: no cache arguments)
+    pools_from: int | None = None
 
 
 class BackendUnavailable(RuntimeError):

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
 from ..mla_kernels import HOST_LENGTHS_SOURCES
+from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
 from .lint import GraphLint
 
 #: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
