@@ -805,8 +805,8 @@ class ModelRunner:
                     torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
         key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
         # where each verify block ends, past max_model_len too (its tokens there are inert): see PagedInputs
-        lens_host = self._host_lengths([s.num_tokens + batch.k for s in running]
-                                       + [0] * (batch.rows - len(running)))
+        lens_host = self._host_lengths(running[i].num_tokens + batch.k if i < len(running) else 0
+                                       for i in range(batch.rows))
         # contiguous: a narrower view of the table would make the graph guard on its strides
         return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,

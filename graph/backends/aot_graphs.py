@@ -35,7 +35,7 @@ import inspect
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -205,17 +205,19 @@ def _aliased(arg: Any) -> Any:
     return arg
 
 
+def _tensors_in(arg: Any) -> Iterator[torch.Tensor]:
+    if isinstance(arg, torch.Tensor):
+        yield arg
+    elif isinstance(arg, (tuple, list)):
+        for a in arg:
+            yield from _tensors_in(a)
+
+
 def mark_pools(args: tuple[Any, ...], dims: DynamicDims) -> None:
     """Dim 0 of every cache tensor dynamic: the pool's block count is data (see ``DynamicDims.pools_from``)."""
-    if dims.pools_from is None:
-        return
-    pending = list(args[dims.pools_from:])
-    while pending:
-        arg = pending.pop()
-        if isinstance(arg, torch.Tensor):
-            torch._dynamo.maybe_mark_dynamic(arg, 0)
-        elif isinstance(arg, (tuple, list)):
-            pending += arg
+    if dims.pools_from is not None:
+        for tensor in _tensors_in(args[dims.pools_from:]):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
 def _stance_refuses() -> bool:
