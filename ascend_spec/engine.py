@@ -1,8 +1,8 @@
 """Standalone harness: continuous batching over a paged cache, with or without MTP speculation.
 
 Three rooms, as nano-vllm's: the engine's loop (this module) asks the scheduler (:mod:`.scheduler`: requests,
-blocks, preemption, appending tokens) whom to run, the runner (:mod:`.runner`: device batches, graphs, warm-up,
-one decode step) for their tokens, and hands those back to the scheduler.
+blocks, preemption, appending tokens) whom to run, the runner (:mod:`.runner`: device batches, graphs, one
+decode step; warm-up in :mod:`.warmup`) for their tokens, and hands those back to the scheduler.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from .graph.backends import Backend
 from .graph.model import DeepseekV3ForCausalLM
 from .kv_cache import BlockManager, KVCaches
 from .metrics import RunStats, SpecMetrics
-from .runner import ModelRunner, StepOutput, WarmupReport, dynamo_compile_count
+from .runner import ModelRunner, StepOutput
+from .warmup import WarmupReport, dynamo_compile_count
 from .sampling import SamplingParams, make_generator
 from .scheduler import AcceptanceTracker, Scheduler, Sequence
 
@@ -46,12 +47,12 @@ class Engine:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings "
                              f"({mcfg.max_position_embeddings})")
         self.spec = cfg.speculative
-        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        self.k_max = self.spec.num_speculative_tokens if self.spec else 0
         self.caches = KVCaches.allocate(mcfg, cfg.max_model_len, cfg.max_num_seqs, self.device,
                                         dtype=self.dtype, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                                         layout=cfg.kv_layout)
         self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len, cfg.block_size)
-        self.acceptance = AcceptanceTracker.empty(self.k)
+        self.acceptance = AcceptanceTracker.empty(self.k_max)
         self.runner = ModelRunner(model, cfg, self.device, self.caches, self.acceptance, count_host_syncs)
         self.eos_token_id = mcfg.eos_token_id
         self._warm_modes: set[tuple[str, bool]] = set()
@@ -95,22 +96,22 @@ class Engine:
     def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,), logprobs: bool = False,
                lone: bool = False, batched: bool = True, prompts: int | None = None) -> WarmupReport:
         """Compile the graphs a run with these sampling ``modes`` (and ``logprobs``) replays (see
-        :meth:`ModelRunner.warmup`; ``lone``: its first batch is one request, ``batched``: batches of several
+        :meth:`GraphWarmup.run`; ``lone``: its first batch is one request, ``batched``: batches of several
         come, ``prompts``: how many); ``generate`` warms what its requests need on its own."""
         new = tuple(m for m in modes if (m, logprobs) not in self._warm_modes)
         report = WarmupReport()
-        runner = self.runner
-        rows = lone and not runner.lone_warm or batched and not runner.batched_warm
-        if new or rows or runner.prompts_unwarmed(prompts):
-            report = runner.warmup(progress=progress, modes=new or modes, logprobs=logprobs, lone=lone,
-                                   batched=batched, prompts=prompts)
+        warm = self.runner.warm
+        rows = lone and not warm.lone or batched and not warm.batched
+        if new or rows or warm.prompts_unwarmed(prompts):
+            report = warm.run(progress=progress, modes=new or modes, logprobs=logprobs, lone=lone,
+                              batched=batched, prompts=prompts)
             self._warm_modes.update((m, logprobs) for m in (new or modes))
             self._compiles_at_warmup = dynamo_compile_count()
             self._pending_report = report
         return report
 
     def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
-        return self.runner.time_step(bucket, k, context, repeats)
+        return self.runner.warm.time_step(bucket, k, context, repeats)
 
     def warmup_for(self, params: list[SamplingParams], progress: bool = False, first_batch: int | None = None,
                    max_batch: int | None = None, prompts: int | None = None) -> WarmupReport:
@@ -178,16 +179,16 @@ class Engine:
         stats = RunStats(backend=self.backend_name)
         # ``warm_graphs: first`` with eager prompts: the first tokens come before the decode graphs load or
         # compile (a one-token request needs none); any other run warms before its first prefill.
-        warm_later = self.cfg.warm_graphs == "first" and not self.runner.prompts_unwarmed(len(prompts))
+        warm_later = self.cfg.warm_graphs == "first" and not self.runner.warm.prompts_unwarmed(len(prompts))
         if not warm_later:
             self._warm(params, hints, stats)
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k, self.eos_token_id)
+        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k_max, self.eos_token_id)
         sched.add(seqs, arrivals)
-        metrics = SpecMetrics(self.k) if self.k else None
+        metrics = SpecMetrics(self.k_max) if self.k_max else None
         compiles_before = dynamo_compile_count()
-        deferred_before = (self.runner.deferred_compiles, self.runner.deferred_seconds)
+        deferred_before = (self.runner.warm.deferred_compiles, self.runner.warm.deferred_seconds)
         failures_before = self.runner.graph_failures()
         loop_start = time.perf_counter()
         while not sched.done:
@@ -226,8 +227,8 @@ class Engine:
         stats.k_by_bucket = self.runner.end_run()
         stats.graph_failures = self.runner.graph_failures() - failures_before
         stats.graph_host_ops = len(self.backend.lint.findings)
-        stats.deferred_compiles = self.runner.deferred_compiles - deferred_before[0]
-        stats.deferred_compile_seconds = self.runner.deferred_seconds - deferred_before[1]
+        stats.deferred_compiles = self.runner.warm.deferred_compiles - deferred_before[0]
+        stats.deferred_compile_seconds = self.runner.warm.deferred_seconds - deferred_before[1]
         if self._warm_modes:  # the graphs warm-up deferred to their first use are planned compiles, not recompiles
             stats.recompiles_after_warmup = (dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
                                              - stats.deferred_compiles)
@@ -253,7 +254,7 @@ class Engine:
             tokens = out.tokens[i]
             if metrics is not None:
                 metrics.record(out.num_draft[i], len(tokens) - 1)
-            if self.k:
+            if self.k_max:
                 self.acceptance.record(out.num_draft[i], len(tokens) - 1)
             entries = out.logprobs[i] if out.logprobs is not None else None
             for j, token in enumerate(tokens):

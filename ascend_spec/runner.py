@@ -1,4 +1,4 @@
-"""The model runner: device batches, compiled graphs and their keys, warm-up, prefill and one decode step.
+"""The model runner: device batches, compiled graphs and their keys, prefill and one decode step.
 
 One step (speculative, padded — docs/design.md's data flow):
 1. target forward of ``B`` requests × ``(1+K)`` tokens
@@ -11,7 +11,8 @@ The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_
 drafter layout (``disable_padded_drafter_batch``) is a variant of step 4 on either path: each row's rejected
 tokens made inert on device (``spec_decode.compact_rejected``) at the same width, so the same graph shapes replay.
 Either way 1-6 run without host syncs; afterwards one transfer brings the step's tokens to the host. The runner
-returns tokens; appending them and finishing requests is the scheduler's business.
+returns tokens; appending them and finishing requests is the scheduler's business. Which graphs are compiled
+before the first step, and which wait for their first use, is :mod:`.warmup`'s.
 
 Graph keys: (K, sampling mode, logprobs) — the batch bucket too only where the backend compiles per shape.
 The block table is data; on CPU it is trimmed to the live blocks of the batch's longest request, so a step
@@ -22,24 +23,22 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import sys
 import time
 from collections import deque
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
-from tqdm import tqdm
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import LEARN_DRAFTS, WARMUP_COST_CONTEXT, AdaptiveK, choose_k, interpolated_costs
-from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, time_call, top_logprobs
+from .adaptive import LEARN_DRAFTS, AdaptiveK, choose_k
+from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
-from .graph.buckets import BatchArg, BucketedGraph, warm_widths
+from .graph.buckets import BatchArg, BucketedGraph
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
@@ -50,23 +49,11 @@ from .sampling import SamplingParams, SamplingTensors, sample
 from .scheduler import AcceptanceTracker, Sequence, block_row, slots_of
 from .sync_counter import HostSyncCounter, suspended_if_compiled
 from .torchair_proposer import MtpTorchairProposer
+from .warmup import GraphWarmup
 
 logger = logging.getLogger(__name__)
 
 
-def dynamo_compile_count() -> int:
-    """Graphs Dynamo has compiled in this process (each recompile of a frame counts once)."""
-    if "torch._dynamo" not in sys.modules:  # none, and importing Dynamo to say so would cost a second
-        return 0
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
-
-
-#: ``warm_graphs: first`` compiles the prompt graph and the prompts' draft chain only for a run of this many
-#: prompts: they save about 8 ms a prompt (bundled model, a lone 20-token prompt: 23 ms eagerly, 15 ms as a graph),
-#: and cost 0.6 s to load and about a minute to compile cold (2-core CPU)
-PROMPT_GRAPHS_FROM = 64
 #: a K that warm-up deferred is compiled only while the longest running request has this many tokens to go: a
 #: compile (about 40 s cold, bundled model, 2-core CPU) that a run ends soon after costs more than it saves
 DEFERRED_MIN_TOKENS = 128
@@ -130,15 +117,6 @@ class StepPlan:
     fused: bool
 
 
-@dataclass
-class WarmupReport:
-    graphs_compiled: int = 0
-    compile_seconds: float = 0.0
-    seconds_by_graph: dict[str, float] = field(default_factory=dict)
-    #: the on-disk compile cache held this warm-up's artifacts (None: no cache in use)
-    cache_hit: bool | None = None
-
-
 def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
     entry = dict(zip(top_ids[:n], top_lp[:n]))
     entry[token] = tok_lp
@@ -163,7 +141,7 @@ class ModelRunner:
         self.acceptance = acceptance
         self.count_host_syncs = count_host_syncs
         self.spec = cfg.speculative
-        self.k = self.spec.num_speculative_tokens if self.spec else 0
+        self.k_max = self.spec.num_speculative_tokens if self.spec else 0
         g = cfg.graph
         self.backend: Backend = get_backend(
             g.effective_backend, device, mode=g.mode, frozen_parameter=g.enable_frozen_parameter,
@@ -202,7 +180,7 @@ class ModelRunner:
                                           keep_hidden=self.proposer is not None,
                                           unpadded=bool(self.spec and self.spec.disable_padded_drafter_batch))
         #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
-        self.adaptive = AdaptiveK(self.k)
+        self.adaptive = AdaptiveK(self.k_max)
         #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
         self.force_k: int | None = None
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
@@ -210,33 +188,12 @@ class ModelRunner:
         self._batch: DeviceBatch | None = None
         #: when the last fused step ended (None: none yet in this run, or a step-by-step one came between)
         self._last_step_end: float | None = None
-        self._prefill_warm = False
-        first = cfg.warm_graphs == "first" and self.backend.name != "eager"
-        #: fused-step K values whose graphs warm-up leaves for their first use (``warm_graphs: first``)
-        self._deferred: set[int] = set(range(self.k)) if first and cfg.adaptive_k and cfg.fused_step else set()
-        #: lone-request (one-row) graphs and batch graphs warm, or compiled on first use (``warm_graphs: all``)
-        self._lone = self._batched = not first
-        #: (sampling mode, logprobs) pairs the fused path was warmed for, and the (rows, K, mode, logprobs) graphs
-        self._warm_modes: list[tuple[str, bool]] = []
-        self._warm_graphs: set[tuple[int, int, str, bool]] = set()
-        self._progress = False
-        #: Dynamo graphs the deferred compiles made (planned, not recompiles), and their seconds
-        self.deferred_compiles = 0
-        self.deferred_seconds = 0.0
+        #: which graphs are warm, and the warm-ups that compile (or load) more of them
+        self.warm = GraphWarmup(self)
         self._pending_drafts: dict[int, list[int]] = {}
         #: per request, its K = 0 steps since it last drafted: (the step's hidden states [rows, D], its row)
         self._undrafted: dict[int, deque[tuple[torch.Tensor, int]]] = {}
         self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
-
-    @property
-    def lone_warm(self) -> bool:
-        """A lone request runs its own one-row graphs (warm, or compiled on first use with ``warm_graphs: all``)."""
-        return self._lone
-
-    @property
-    def batched_warm(self) -> bool:
-        """Batches of several requests have their graphs (warm, or compiled on first use: ``warm_graphs: all``)."""
-        return self._batched
 
     @property
     def step_seconds(self) -> dict[int, dict[int, float]]:
@@ -267,7 +224,7 @@ class ModelRunner:
         and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
         ``min_batch``, and so does a lone request where warm-up left its graphs out (``warm_graphs: first`` and a
         first batch of several: a draining queue's last request)."""
-        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes and self._lone:
+        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes and self.warm.lone:
             return 1
         return self.target_graph.bucket_for(batch)
 
@@ -275,67 +232,10 @@ class ModelRunner:
         return (self.cfg.fused_step and self.target_graph.bucket_for(len(running)) is not None
                 and all((s.params.logprobs or 0) <= MAX_LOGPROBS for s in running))
 
-    # -- warm-up ----------------------------------------------------------------------------------
-    def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,),
-               logprobs: bool = False, lone: bool = False, batched: bool = True, prompts: int | None = None
-               ) -> WarmupReport:
-        """Compile the graphs a run with sampling ``modes`` (and ``logprobs``) replays: the fused step per K
-        (``adaptive_k``: every K in 0..K_max, then timed; ``warm_graphs: first``: K_max only, see ``_warm_ks``) —
-        per batch bucket only where the backend compiles per shape, for a lone request where ``lone`` says the
-        first batch is one, for batches unless ``batched`` says none comes (both always with ``warm_graphs: all``)
-        — or the target step and draft chain; the prompt graphs once, with ``warm_graphs: first`` only for a run of
-        ``PROMPT_GRAPHS_FROM`` ``prompts`` or more (None: as many). Graphs already warm are skipped. A bar on
-        stderr names each graph
-        and why it runs; one summary line ends it."""
-        report = WarmupReport()
-        self._progress = progress
-        every = self.cfg.warm_graphs == "all" or not self.shapes.dynamic_batch
-        lone, batched = lone or every, batched or every
-        ks = self._warm_ks()
-        rows = ("_lone" if lone else "") + ("_batched" if batched else "")
-        what = (f"fused_k{'-'.join(map(str, ks))}{rows}_{'-'.join(modes)}"
-                f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k}")
-        first = self.prompts_unwarmed(prompts)
-        if first:  # once per engine: prompts are prompts whatever the sampling modes
-            what += "_prefill_q" + "-".join(map(str, self.prefill_graph.query_widths))
-        # torch's artifacts cache where graphs are not stored whole (the store needs neither Dynamo nor it)
-        cached = (self.compile_cache.around_warmup(self.cache_key(what))
-                  if self.compile_cache is not None and self.graph_store is None else nullcontext(None))
-        store = self.graph_store
-        before = (store.loaded, store.compiled) if store is not None else (0, 0)
-        with torch.no_grad(), cached as hit:
-            if self.cfg.fused_step:
-                self._warmup_fused(report, progress, modes, logprobs, lone, batched)
-            else:
-                self._warmup_step_by_step(report, progress)
-            if first:
-                self._warmup_prefill(report, progress)
-        if store is not None:
-            loaded, compiled = store.loaded - before[0], store.compiled - before[1]
-            # a hit: every graph this warm-up needed came from the cache (None: it needed none, all were live)
-            hit = compiled == 0 if loaded or compiled else None
-        report.cache_hit = hit
-        if progress and report.graphs_compiled:
-            cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
-            later = (f"; K = {', '.join(map(str, sorted(self._deferred)))} when adaptive K first needs it"
-                     if self._deferred else "")
-            print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
-                  f"({self.backend.name}, attention '{self.backend.attention_kernel}'{cache}){later}",
-                  file=sys.stderr)
-        return report
-
-    def prompts_unwarmed(self, prompts: int | None) -> bool:
-        """A warm-up for a run of ``prompts`` prompts (None: unknown) compiles the prompt graphs, not yet warm."""
-        wanted = self.cfg.warm_graphs == "all" or prompts is None or prompts >= PROMPT_GRAPHS_FROM
-        return self.prefill_graph is not None and not self._prefill_warm and wanted
-
-    def _warm_ks(self) -> list[int]:
-        """The K values warm-up compiles: K_max (fixed K, or adaptive K while it learns acceptance) and, adaptive,
-        K = 0 and the K values between unless ``warm_graphs: first`` defers them (K = 0 to the end of learning,
-        the others to the policy's first pick)."""
-        if not (self.cfg.adaptive_k and self.k):
-            return [self.k]
-        return [k for k in range(self.k + 1) if k not in self._deferred]
+    # -- warm-up (which graphs, when: .warmup) -------------------------------------------------------
+    def drop_batch(self) -> None:
+        """The next fused step builds its device batch anew (warm-up replayed inert batches through its graphs)."""
+        self._batch = None
 
     def cache_key(self, what: str) -> CacheKey:
         """One warm-up's compiled artifacts: the model, the graph code, torch and every option that shapes them."""
@@ -353,165 +253,7 @@ class ModelRunner:
                                          "disable_padded_drafter_batch": bool(
                                              self.spec and self.spec.disable_padded_drafter_batch)})
 
-    def _fused_warm_plan(self, ks: list[int], lone: bool, batched: bool) -> list[tuple[int, int, str, bool]]:
-        """(rows, K, mode, logprobs) of the fused graphs not yet warm: one row count per compiled graph (or CUDA
-        graph capture), largest first, then the lone-request graphs, for every mode warmed so far."""
-        sizes = self.target_graph.warm_sizes() if batched else []
-        if lone and self.shapes.dynamic_batch and 1 in self.batch_sizes and 1 not in sizes:
-            sizes = [*sizes, 1]
-        plan = [(r, k, mode, lp) for r in sizes for k in ks for mode, lp in self._warm_modes]
-        return [g for g in plan if g not in self._warm_graphs]
-
-    def _why(self, rows: int, k: int) -> str:
-        """What a fused graph is for, as the warm-up bar says it."""
-        if rows == 1 and self.shapes.dynamic_batch:
-            return "a lone request"
-        if not (self.cfg.adaptive_k and self.k):
-            return "every step" if k or not self.k else "plain decoding"
-        return {self.k: "K_max: drafts while acceptance is learned", 0: "plain decoding where drafts do not pay"
-                }.get(k, "adaptive K")
-
-    def _compile_fused(self, plan: list[tuple[int, int, str, bool]], bar: tqdm | None,
-                       report: WarmupReport | None) -> None:
-        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else [self.max_blocks]
-        for rows, k, mode, logprobs in plan:
-            batch = dataclasses.replace(self._inert_batch(rows, k), mode=mode, logprobs=logprobs)
-            key = self.spec_graphs.key(rows, k, mode, logprobs)
-            # a dynamic-batch key's lone-request graph is its one-row specialisation
-            tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
-            if bar is not None:
-                bar.set_postfix_str(f"{tag} ({self._why(rows, k)})")
-            t0 = time.perf_counter()
-            for width in widths:
-                self._replay(batch, width, None)
-            self._warm_graphs.add((rows, k, mode, logprobs))
-            if report is not None:
-                report.seconds_by_graph[tag] = time.perf_counter() - t0
-            if bar is not None:
-                bar.update()
-
-    def _warmup_fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool,
-                      lone: bool, batched: bool) -> None:
-        ks = self._warm_ks()
-        self._warm_modes += [(m, logprobs) for m in modes if (m, logprobs) not in self._warm_modes]
-        lone, batched = lone or self._lone, batched or self._batched  # what earlier warm-ups warmed, for new modes
-        plan = self._fused_warm_plan(ks, lone, batched)
-        t_all = time.perf_counter()
-        with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
-                  disable=not progress or not plan, dynamic_ncols=True) as bar:
-            self._compile_fused(plan, bar, report)
-        self._lone, self._batched = lone, batched
-        report.graphs_compiled = len(plan)
-        report.compile_seconds = time.perf_counter() - t_all
-        if self.cfg.adaptive_k and len(ks) > 1 and plan:  # one K alone has nothing to be weighed against yet
-            self._time_steps(ks)
-        self._batch = None
-
-    def _warmup_prefill(self, report: WarmupReport, progress: bool) -> None:
-        """Compile the prompt graph(s) and the draft chain the prompts' drafts replay: one dynamic-query graph each
-        replayed at a short and the widest width, or one per bucket and width where graphs replay one shape."""
-        graph = self.prefill_graph
-        assert graph is not None
-        t0 = time.perf_counter()
-        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
-        # first call: rows (2), query (5) and table width (3) distinct, so Dynamo gives each its own symbol
-        queries = sorted({min(5, graph.query_widths[-1]), graph.query_widths[-1]}) if graph.query_dynamic else None
-        rows = graph.max_size
-        dev = self.device
-        z = torch.zeros(rows, graph.query_widths[0], dtype=torch.long, device=dev)
-        per_row = torch.zeros(rows, dtype=torch.long, device=dev)
-        example = [z, z.clone(), torch.full_like(z, -1), torch.zeros(rows, self.max_blocks, dtype=torch.long,
-                                                                     device=dev), per_row, per_row.clone()]
-        times = graph.warmup(example, (self.caches.target,), progress=progress, widths=widths, queries=queries)
-        report.seconds_by_graph.update({f"prefill_bs{b}": t for b, t in times.items()})
-        report.graphs_compiled += len(times)
-        if self.proposer is not None and self.cfg.fused_step:  # the prompts' drafts (step by step warmed it)
-            times = self.proposer.warmup(progress=progress)
-            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
-            report.graphs_compiled += len(times)
-        report.compile_seconds += time.perf_counter() - t0
-        self._prefill_warm = True
-
-    def _time_steps(self, ks: list[int], rounds: int = 5) -> None:
-        """Step cost per bucket of each K in ``ks`` for adaptive K: medians of ``rounds`` rounds, the K values
-        interleaved in each so machine noise weighs on all of them alike; deferred K values interpolated."""
-        # the buckets whose graphs are warm (``warm_graphs: first`` may have left the batch or lone-request ones out)
-        warm = [b for b in self.batch_sizes if (self._lone if self.rows_for(b) == 1 else self._batched)]
-        for bucket in warm:
-            self.adaptive.step_seconds[bucket] = self._median_step_times(bucket, ks, rounds)
-        self._interpolate_deferred()
-
-    def _median_step_times(self, bucket: int, ks: list[int], rounds: int) -> dict[int, float]:
-        """Median seconds of a step of ``bucket`` at each K in ``ks`` over ``rounds`` rounds, K values interleaved."""
-        times: dict[int, list[float]] = {k: [] for k in ks}
-        for _ in range(rounds):
-            for k in times:
-                times[k].append(self.time_step(bucket, k, context=WARMUP_COST_CONTEXT, repeats=3))
-        return {k: sorted(t)[len(t) // 2] for k, t in times.items()}
-
-    def _interpolate_deferred(self) -> None:
-        """Figures for the deferred K values between K = 0 and K_max, on the line through theirs once both are
-        timed; the policy never explores them, and compiles one it picks."""
-        between = sorted(j for j in self._deferred if j)
-        for costs in self.adaptive.step_seconds.values():
-            if 0 in costs and self.k in costs:
-                costs.update(interpolated_costs({0: costs[0], self.k: costs[self.k]}, between))
-        self.adaptive.pending = set(between)
-
-    def _compile_deferred(self, k: int, why: str) -> None:
-        """Compile (or load from the cache) the fused graphs of a K that warm-up deferred, for every mode it warmed,
-        and time it (against K_max, whose figure follows the run's drift, in each bucket timed before): the step
-        that needs them waits, no other step does."""
-        t0 = time.perf_counter()
-        compiles = dynamo_compile_count()
-        if self._progress:
-            print(f"ascend-spec: compiling the K = {k} step ({why}) ...", file=sys.stderr, flush=True)
-        with torch.no_grad():
-            self._compile_fused(self._fused_warm_plan([k], self._lone, self._batched), None, None)
-            self._deferred.discard(k)
-            if self.cfg.adaptive_k and not self.adaptive.step_seconds:
-                self._time_steps(self._warm_ks())
-            elif self.cfg.adaptive_k:
-                for bucket, costs in self.adaptive.step_seconds.items():
-                    mid = self._median_step_times(bucket, [k, self.k], rounds=3)
-                    costs[k] = costs[self.k] * mid[k] / mid[self.k]
-                self._interpolate_deferred()
-        self._last_step_end = None  # the compile is no step's cost and ran between no steps
-        self.deferred_compiles += dynamo_compile_count() - compiles
-        seconds = time.perf_counter() - t0
-        self.deferred_seconds += seconds
-        if self._progress:
-            print(f"ascend-spec: K = {k} ready in {seconds:.1f} s", file=sys.stderr, flush=True)
-
-    def _warmup_step_by_step(self, report: WarmupReport, progress: bool) -> None:
-        t0 = time.perf_counter()
-        widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
-        ex = self._inert_target_inputs(self.target_graph.max_size, 1 + self.k, self.max_blocks)
-        times = self.target_graph.warmup(ex, (self.caches.target,), progress=progress, widths=widths)
-        report.seconds_by_graph.update({f"target_bs{b}": t for b, t in times.items()})
-        report.graphs_compiled += len(times)
-        if self.proposer is not None:
-            times = self.proposer.warmup(progress=progress)
-            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
-            report.graphs_compiled += len(times)
-        report.compile_seconds = time.perf_counter() - t0
-
-    def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
-        """Median seconds of one fused greedy step (``bucket`` rows, K, ``context`` tokens of block table) on an
-        inert batch; shapes, not data, set its cost."""
-        rows = self.rows_for(bucket) or bucket
-        batch = self._inert_batch(rows, k)
-        width = self.width_for(context)
-        with torch.no_grad():
-            return time_call(lambda: self._replay(batch, width, None), repeats=repeats)
-
-    def _inert_target_inputs(self, b: int, q: int, width: int) -> list[torch.Tensor]:
-        dev = self.device
-        z = torch.zeros(b, q, dtype=torch.long, device=dev)
-        return [z, z.clone(), torch.full_like(z, -1), torch.zeros(b, width, dtype=torch.long, device=dev),
-                torch.zeros(b, dtype=torch.long, device=dev)]
-
-    def _inert_batch(self, rows: int, k: int) -> DeviceBatch:
+    def inert_batch(self, rows: int, k: int) -> DeviceBatch:
         dev = self.device
         # Distinct tensors: Dynamo guards on aliasing, and a run never passes one tensor twice.
         return DeviceBatch((), k, GREEDY, torch.zeros(rows, 1 + k, dtype=torch.long, device=dev),
@@ -550,7 +292,7 @@ class ModelRunner:
         with torch.no_grad():
             args = [ids, pos, slots, table, seq_lens, last]
             # ``warm_graphs: first`` runs prompts eagerly unless warm-up compiled their graph (never in a step)
-            warm = self._prefill_warm or self.cfg.warm_graphs == "all"
+            warm = self.warm.prompts_warm or self.cfg.warm_graphs == "all"
             served = graph is not None and warm and graph.serves(len(seqs), n)
             hidden, last_logits = (graph(args, (self.caches.target,), host_lengths=lens_host) if served
                                    else self._prefill_eager(*args, self.caches.target, lens_host))
@@ -579,7 +321,7 @@ class ModelRunner:
         n = max(lens)
         ends = [f + m for f, m in zip(firsts, lens)]
         # the drafts write up to K positions past the chunk; a row's padded query block ends at first + n
-        width = self.width_for(max(f + n for f in firsts) + 2 * self.k)
+        width = self.width_for(max(f + n for f in firsts) + 2 * self.k_max)
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
         pos = torch.tensor([list(range(f, e)) + [e - 1] * (n - m) for f, e, m in zip(firsts, ends, lens)],
                            dtype=torch.long, device=dev)
@@ -594,7 +336,7 @@ class ModelRunner:
         the draft chain's graph where it was warmed for chunks (with the prompt graph), else the eager reference."""
         b, n = inputs.target_token_ids.shape
         assert self.proposer is not None
-        if self._prefill_warm and self.proposer.graph_serves(b, n):
+        if self.warm.prompts_warm and self.proposer.graph_serves(b, n):
             return self.proposer.propose(inputs)
         return self.proposer.propose_reference(inputs)
 
@@ -603,7 +345,7 @@ class ModelRunner:
         """The next step's K and bucket; the step-by-step path always drafts K_max."""
         bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
         if not self.fused_applies(running):
-            return StepPlan(self.k, bucket, fused=False)
+            return StepPlan(self.k_max, bucket, fused=False)
         to_go = max(s.max_tokens - len(s.output_ids) for s in running)
         return StepPlan(self._k_for(bucket, to_go), bucket, fused=True)
 
@@ -636,9 +378,9 @@ class ModelRunner:
         self._batch = None
         self._last_step_end = None
         self._undrafted.clear()
-        if not (self.cfg.adaptive_k and self.k):
-            return {b: self.k for b in self.batch_sizes}
-        return {b: self.adaptive.chosen.get(b, self.k) for b in self.batch_sizes}
+        if not (self.cfg.adaptive_k and self.k_max):
+            return {b: self.k_max for b in self.batch_sizes}
+        return {b: self.adaptive.chosen.get(b, self.k_max) for b in self.batch_sizes}
 
     def graph_failures(self) -> int:
         """Compiled graphs of this runner that failed so far (``graph_failure: eager``: each step reran eagerly)."""
@@ -669,32 +411,37 @@ class ModelRunner:
     # -- fused path: one graph per step over device-side state ------------------------------------
     def _k_for(self, bucket: int, to_go: int | None = None) -> int:
         """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many)."""
+        deferred = self.warm.deferred
         if self.force_k is not None:
             k, why = self.force_k, "asked for"
-        elif not (self.cfg.adaptive_k and self.k):
-            return self.k
+        elif not (self.cfg.adaptive_k and self.k_max):
+            return self.k_max
         elif self.acceptance.offered[0] < LEARN_DRAFTS:
             # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
             # then learn only from explorations. Draft K_max until some have been verified.
-            return self.k
-        elif self._deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
+            return self.k_max
+        elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
             # what is left of the run would not repay a compile: the K values warm stay the choice
-            return self.k if 0 in self._deferred else self._best_warm(bucket)
+            return self.k_max if 0 in deferred else self._best_warm(bucket)
         else:
-            if 0 in self._deferred:
+            if 0 in deferred:
                 self._compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
             k = self.adaptive.k_for(bucket, self.acceptance.rates())
             why = f"adaptive K expects it to pay at batch {bucket}"
-        if k in self._deferred:
+        if k in deferred:
             self._compile_deferred(k, why)
         return k
+
+    def _compile_deferred(self, k: int, why: str) -> None:
+        self.warm.compile_deferred(k, why)
+        self._last_step_end = None  # the compile is no step's cost and ran between no steps
 
     def _best_warm(self, bucket: int) -> int:
         """The policy's K among the warm ones (the deferred K values' interpolated figures left out)."""
         costs = self.adaptive.step_seconds.get(bucket)
         if not costs:
-            return self.k
-        warm = {k: c for k, c in costs.items() if k not in self._deferred}
+            return self.k_max
+        warm = {k: c for k, c in costs.items() if k not in self.warm.deferred}
         return choose_k(warm, self.acceptance.rates(), self.adaptive.chosen.get(bucket), bucket)
 
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
@@ -787,7 +534,7 @@ class ModelRunner:
         self._pending_drafts = {rid: row[1: 1 + batch.k] for rid, row in
                                 zip(batch.req_ids, batch.input_ids[: len(batch.req_ids)].tolist())}
 
-    def _replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
+    def replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
                 ) -> tuple[torch.Tensor, ...]:
         key, args = self._replay_args(batch, width, noise, [])
         with suspended_if_compiled(self.backend):
@@ -909,15 +656,15 @@ class ModelRunner:
             if seq.req_id in self._pending_drafts:
                 seq.draft_ids = self._pending_drafts.pop(seq.req_id)
         dev = self.device
-        q = 1 + self.k
+        q = 1 + self.k_max
         max_len = self.cfg.max_model_len
-        width = self.width_for(max(s.num_tokens + 2 * self.k for s in running))
+        width = self.width_for(max(s.num_tokens + 2 * self.k_max for s in running))
         rows_ids, rows_pos, rows_slots, num_draft = [], [], [], []
         for seq in running:
             p = seq.num_tokens - 1  # tokens already in the cache
-            nd = max(0, min(self.k, max_len - p - 2))
+            nd = max(0, min(self.k_max, max_len - p - 2))
             positions = [p + j for j in range(q)]
-            rows_ids.append([seq.last_token] + seq.draft_ids[: self.k])
+            rows_ids.append([seq.last_token] + seq.draft_ids[: self.k_max])
             rows_pos.append([x if x < max_len else 0 for x in positions])
             rows_slots.append(slots_of(seq, positions, max_len, self.caches.block_size))
             num_draft.append(nd)
@@ -965,7 +712,7 @@ class ModelRunner:
             drafts_h = drafts.tolist() if drafts is not None else None
         tokens = [sampled_h[i][: valid_h[i]] for i in range(b)]
         logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
-        return StepOutput(tokens, num_draft, self.k, logprobs, drafts_h)
+        return StepOutput(tokens, num_draft, self.k_max, logprobs, drafts_h)
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,

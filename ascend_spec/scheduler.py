@@ -88,12 +88,12 @@ class ScheduleResult:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_model_len: int, max_num_seqs: int, k: int,
+    def __init__(self, blocks: BlockManager, max_model_len: int, max_num_seqs: int, k_max: int,
                  eos_token_id: int | None) -> None:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.k = k
+        self.k_max = k_max
         self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -111,7 +111,7 @@ class Scheduler:
     def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
         """Cache room one step at K = ``k`` (default K_max) needs: verify positions up to ``start + K``, chained
         draft positions up to ``start + 2K - 1`` (``start = num_tokens - 1``)."""
-        k = self.k if k is None else k
+        k = self.k_max if k is None else k
         return seq.num_tokens - 1 + max(1 + k, 2 * k)
 
     def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -246,9 +247,13 @@ class AscendSpecMtpMixin:
         # vLLM-CPU's oneDNN handles (CPUDNNLGEMMHandler) that vLLM dropped while loading (the MTP layer's own
         # lm_head, replaced by the target's) sit in reference cycles; the cyclic GC could run their __del__
         # (which reads a tensor with .item()) in the middle of our FakeTensor tracing, where it fails
-        # ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free them now,
-        # before any tracing (warm-up, or the first draft without it).
-        gc.collect()
+        # ("Exception ignored ... convert all Tensors to FakeTensors") and leaks the handle. Free them before
+        # any tracing (warm-up, or the first draft without it): now, or where graphs are saved whole, before the
+        # first trace, which a warm start never makes (a full collection is a few tenths of a second of it).
+        if backend.store is None:
+            gc.collect()
+        else:
+            backend.store.before_compile = functools.cache(gc.collect)  # once: vLLM's load left them once
         if s.warmup:
             t0 = time.perf_counter()
             with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):

@@ -48,6 +48,25 @@ def _graph(store: GraphStore):
     return backend.compile(clone_with_name(_affine, "unit_affine"), "unit_affine", DynamicDims(batch=(0,)))
 
 
+def test_before_compile_runs_before_each_trace_and_never_on_a_load(tmp_path: Path) -> None:
+    """The vLLM drafter frees vLLM's reference cycles there (a full collection): a warm start, which loads every
+    graph, pays nothing for it; a start that traces runs it first."""
+    calls: list[int] = []
+    store = _store(tmp_path)
+    store.before_compile = lambda: calls.append(dynamo_compile_count())
+    graph = _graph(store)
+    w = torch.randn(3, 4)
+    compiles = dynamo_compile_count()
+    graph(torch.randn(2, 3), w)
+    assert calls == [compiles]  # before the trace: Dynamo had not counted it yet
+    graph(torch.randn(5, 3), w)  # the same variant serves it
+    assert len(calls) == 1
+    fresh = _store(tmp_path)
+    fresh.before_compile = lambda: calls.append(-1)
+    _graph(fresh)(torch.randn(4, 3), w)
+    assert (fresh.loaded, fresh.compiled, len(calls)) == (1, 0, 1)
+
+
 def test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store(tmp_path: Path, caplog) -> None:
     store = _store(tmp_path)
     graph = _graph(store)

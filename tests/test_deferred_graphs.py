@@ -68,7 +68,7 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])  # warm-up before its first decode step
     assert stats.graphs_compiled == 1 and stats.recompiles_after_warmup == 0
     assert {key.k for key in eng.spec_graphs._graphs} == {2} and not eng.step_seconds
-    assert runner.rows_for(1) == 2 and not runner.lone_warm
+    assert runner.rows_for(1) == 2 and not runner.warm.lone
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
     for _ in range(LEARN_DRAFTS):  # acceptance learnt

@@ -6,7 +6,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
-from ascend_spec.runner import PROMPT_GRAPHS_FROM
+from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
                                   ROWS_APART_COST, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN,
@@ -431,13 +431,13 @@ def test_first_warms_the_rows_the_run_batches_need(trained_dir, prompts):
     graph at its warm-up, never inside a step (the graphs of the test above, loaded where it ran first)."""
     eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), warm_graphs="first"))
     one, stats, _ = eng.generate(prompts[:1], SamplingParams(), 12)
-    assert eng.runner.lone_warm and not eng.runner.batched_warm and eng.runner.rows_for(1) == 1
+    assert eng.runner.warm.lone and not eng.runner.warm.batched and eng.runner.rows_for(1) == 1
     assert stats.graphs_compiled == 1 and stats.recompiles_after_warmup == 0
     two, stats, _ = eng.generate(prompts[:1] * 2, SamplingParams(), 12)
-    assert eng.runner.batched_warm and stats.graphs_compiled == 1 and stats.recompiles_after_warmup == 0
+    assert eng.runner.warm.batched and stats.graphs_compiled == 1 and stats.recompiles_after_warmup == 0
     assert [o.token_ids for o in two] == [one[0].token_ids] * 2
     eng.warmup(progress=False, prompts=PROMPT_GRAPHS_FROM)  # a run of many prompts: their graphs too
-    assert eng.runner._prefill_warm
+    assert eng.runner.warm.prompts_warm
 
 
 def test_step_time_account_adds_up_and_observer_sees_every_step(trained_dir, prompts):

@@ -175,7 +175,7 @@ def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_to
     order rotating from chunk to chunk, starting at ``turn``), so a noisy second weighs on all of them alike.
     Adaptive K learns its acceptance afresh (a tracker of its own, kept across the chunks)."""
     tallies = {name: Tally() for name in contenders}
-    own, scratch = AcceptanceTracker.empty(eng.k), AcceptanceTracker.empty(eng.k)
+    own, scratch = AcceptanceTracker.empty(eng.k_max), AcceptanceTracker.empty(eng.k_max)
     chunk = REQUESTS_PER_SLOT * batch
     try:
         for n, i in enumerate(range(0, len(requests), chunk)):

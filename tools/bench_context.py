@@ -47,7 +47,7 @@ def checkpoint_with_positions(src: Path, positions: int, dest: Path) -> Path:
 
 def step_inputs(eng: Engine, batch: int, context: int, width: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Target-step and draft-step inputs for ``batch`` live requests that hold ``context`` tokens each."""
-    k = eng.k
+    k = eng.k_max
     q = 1 + k
     g = torch.Generator().manual_seed(0)
     for cache in (*eng.caches.target, eng.caches.draft):

@@ -136,6 +136,8 @@ class GraphStore:
     #: counters for the warm-up report
     loaded: int = 0
     compiled: int = 0
+    #: run before each trace (a warm start that loads every graph traces nothing, and so runs it never)
+    before_compile: Callable[[], None] | None = None
 
     def key(self, tag: str, closure: str = "") -> CacheKey:
         """``closure``: the graph function's :func:`closure_fingerprint` (its digest goes into the key)."""
@@ -275,6 +277,8 @@ class AotGraph:
         if self.dims is not None:
             self._mark(example, self.dims)
             mark_pools(example, self.dims)
+        if self.store.before_compile is not None:
+            self.store.before_compile()
         before = len(self.lint.findings)
         # Dynamo's capture counts it as a compile (``engine.dynamo_compile_count``), as any other
         variant = self._make_compiled(self.fn).aot_compile((example, {}))
