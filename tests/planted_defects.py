@@ -20,8 +20,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``aot_ignores_guards``: a graph saved whole runs its first variant whatever the arguments (no guard check).
   Fails ``test_aot_graphs.py::test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store``.
 - ``deferred_compile_in_step``: a K that warm-up deferred is compiled by the step that first runs it, not before
-  it. Fails ``test_deferred_graphs.py::test_first_steps_warm_then_a_deferred_k_compiles_once_when_needed`` (a
-  recompile after warm-up).
+  it. Fails ``test_deferred_graphs.py::test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed``
+  (the K = 0 graph missing after acceptance was learned: ``{2} == {0, 2}``).
 - ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
   ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
 """
