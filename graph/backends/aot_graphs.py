@@ -35,9 +35,10 @@ import inspect
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .base import DynamicDims, GraphFn
 from .compile_cache import BadEntry, CacheKey, CompileCache, atomic_write, digest_sources, encode_entry
@@ -195,31 +196,16 @@ def _unmarked(args: tuple[Any, ...], dims: DynamicDims | None) -> tuple[Any, ...
     for i in {*dims.batch, *dims.width, *dims.query}:
         out[i] = args[i].detach()
     if dims.pools_from is not None:
-        out[dims.pools_from:] = [_aliased(a) for a in args[dims.pools_from:]]
+        out[dims.pools_from:] = tree_map_only(torch.Tensor, torch.Tensor.detach, args[dims.pools_from:])
     return tuple(out)
-
-
-def _aliased(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return arg.detach()
-    if isinstance(arg, (tuple, list)):
-        return type(arg)(_aliased(a) for a in arg)
-    return arg
-
-
-def _tensors_in(arg: Any) -> Iterator[torch.Tensor]:
-    if isinstance(arg, torch.Tensor):
-        yield arg
-    elif isinstance(arg, (tuple, list)):
-        for a in arg:
-            yield from _tensors_in(a)
 
 
 def mark_pools(args: tuple[Any, ...], dims: DynamicDims) -> None:
     """Dim 0 of every cache tensor dynamic: the pool's block count is data (see ``DynamicDims.pools_from``)."""
     if dims.pools_from is not None:
-        for tensor in _tensors_in(args[dims.pools_from:]):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for leaf in tree_leaves(args[dims.pools_from:]):
+            if isinstance(leaf, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(leaf, 0)
 
 
 def _stance_refuses() -> bool:
