@@ -65,16 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
     k = g.add_mutually_exclusive_group()
     k.add_argument("--adaptive-k", dest="fixed_k", action="store_false",
-                   help="(the default) choose K in 0..num_speculative_tokens per batch bucket from step costs measured "
+                   help="(the default, but with --step-by-step) choose K in 0..num_speculative_tokens per batch bucket from step costs measured "
                         "at warm-up and the running acceptance; K = 0 where drafts are expected not to pay")
     k.add_argument("--fixed-k", action="store_true",
                    help="draft num_speculative_tokens every step (compiles one graph instead of K + 1)")
-    g.set_defaults(fixed_k=False)
+    g.set_defaults(fixed_k=None)  # None: adaptive K, fixed with --step-by-step
     g.add_argument("--compile-all", action="store_true",
                    help="compile every graph the run may replay before the first token (every K adaptive K may "
                         "pick, the lone-request graphs); default: what the first steps run, the rest when needed")
     g.add_argument("--step-by-step", action="store_true",
-                   help="run target, sampling and drafting as separate calls instead of one fused graph per step")
+                   help="run target, sampling and drafting as separate calls instead of one fused graph per step; "
+                        "drafts num_speculative_tokens every step (fixed K)")
     g.add_argument("--graph-failure", choices=list(GRAPH_FAILURE_POLICIES), default=None,
                    help="a compiled graph that fails or needs the host (a device sync inside it): 'eager' reruns the "
                         "step eagerly and counts it (default, or $ASCEND_SPEC_GRAPH_FAILURE), 'raise' stops")
@@ -121,7 +122,8 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
                         graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
-                        adaptive_k=not args.fixed_k, warm_graphs="all" if args.compile_all else "first",
+                        adaptive_k=not (args.step_by_step if args.fixed_k is None else args.fixed_k),
+                        warm_graphs="all" if args.compile_all else "first",
                         graph_failure=args.graph_failure, **kwargs)
 
 

@@ -181,10 +181,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
     #: a decode step is one graph (verify + sampling + drafting) over device-side batch state; False: the
-    #: step-by-step path (target graph, eager sampling, draft graph), which logprobs and the unpadded drafter use
+    #: step-by-step path (target graph, eager sampling, draft graph) at K_max, which batches asking for more than
+    #: ``fused_step.MAX_LOGPROBS`` logprobs take too
     fused_step: bool = True
     #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
-    #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``)
+    #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``). Needs fused_step
     adaptive_k: bool = True
     #: what warm-up compiles: ``all`` every graph a run may replay (every K adaptive K may pick, the lone-request
     #: graphs); ``first`` what the first steps run (K_max, which drafts while acceptance is learned, and K = 0, the
@@ -213,6 +214,11 @@ class EngineConfig:
             raise ConfigError(f"warm_graphs={self.warm_graphs!r}; allowed: {list(WARM_GRAPHS)}")
         if self.graph_failure is not None and self.graph_failure not in GRAPH_FAILURE_POLICIES:
             raise ConfigError(f"graph_failure={self.graph_failure!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
+        if self.adaptive_k and not self.fused_step and self.speculative is not None:
+            # the step-by-step path drafts through the proposer's one K_max graph: it cannot follow adaptive K
+            raise ConfigError("adaptive_k=True needs fused_step=True: the step-by-step path (fused_step=False, "
+                              "--step-by-step) drafts num_speculative_tokens every step; allowed with "
+                              "fused_step=False: adaptive_k=False (--fixed-k)")
 
 
 def load_yaml_config(path: str | Path) -> dict[str, Any]:

@@ -197,7 +197,7 @@ def record_draft_calls(model_dir, k, prompts):
     eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
                                               speculative=SpeculativeConfig(num_speculative_tokens=k),
                                               graph=TorchairGraphConfig(enabled=False, backend="eager"),
-                                              fused_step=False))
+                                              fused_step=False, adaptive_k=False))
     calls = []
     original = eng.proposer.propose
 

@@ -120,3 +120,20 @@ def test_adaptive_k_is_the_default_and_fixed_k_pins_k():
     assert not fixed.adaptive_k and fixed.speculative.num_speculative_tokens == 3
     with pytest.raises(SystemExit):
         parse(["generate", "--fixed-k", "--adaptive-k"])
+
+
+def test_step_by_step_drafts_a_fixed_k_and_refuses_adaptive_k():
+    """The step-by-step path drafts through the proposer's K_max graph: ``--step-by-step`` runs at the fixed K, and
+    asking it for adaptive K (flag or config) is one clear error, not K_max drafted silently."""
+    from ascend_spec.config import EngineConfig
+
+    parse = build_parser().parse_args
+    cfg = engine_config_from_args(parse(["generate", "--step-by-step"]))
+    assert not cfg.fused_step and not cfg.adaptive_k
+    with pytest.raises(ConfigError, match=r"adaptive_k=True needs fused_step=True.*allowed with fused_step=False: "
+                                          r"adaptive_k=False \(--fixed-k\)"):
+        engine_config_from_args(parse(["generate", "--step-by-step", "--adaptive-k"]))
+    with pytest.raises(ConfigError, match="adaptive_k=True needs fused_step=True"):
+        EngineConfig(fused_step=False)
+    assert EngineConfig(fused_step=False, speculative=None).speculative is None  # no drafts: nothing to adapt
+    assert EngineConfig(fused_step=False, adaptive_k=False).speculative is not None

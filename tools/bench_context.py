@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = {}
         for n in args.lens:
             model_dir = checkpoint_with_positions(BUNDLED_MODEL_DIR, n, Path(tmp) / f"ctx{n}")
-            cfg = EngineConfig(max_model_len=n, max_num_seqs=args.batch, fused_step=False,
+            cfg = EngineConfig(max_model_len=n, max_num_seqs=args.batch, fused_step=False, adaptive_k=False,
                                kv_blocks=live_blocks(n, 1 << 30, DEFAULT_BLOCK_SIZE) + args.batch * 8 + 2,
                                speculative=SpeculativeConfig(num_speculative_tokens=args.k),
                                graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(args.batch,)))
