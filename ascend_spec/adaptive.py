@@ -43,7 +43,7 @@ step's K before the scheduler makes room for it, and a K = 0 step reserves no lo
 
 K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
 ``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
-many rows); acceptance is a recent window (``scheduler.ACCEPTANCE_WINDOW``), so a few poor first requests do
+many rows); acceptance is a recent window (``k_policy.ACCEPTANCE_WINDOW``), so a few poor first requests do
 not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
 A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them).
 """

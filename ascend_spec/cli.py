@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--graph-batch-sizes", type=str, default=None, help="comma-separated bucket sizes, e.g. 1,2,4,8")
     k = g.add_mutually_exclusive_group()
     k.add_argument("--adaptive-k", dest="fixed_k", action="store_false",
-                   help="(the default, but with --step-by-step) choose K in 0..num_speculative_tokens per batch bucket from step costs measured "
-                        "at warm-up and the running acceptance; K = 0 where drafts are expected not to pay")
+                   help="(the default, but with --step-by-step) choose K in 0..num_speculative_tokens per batch "
+                        "bucket from step costs measured at warm-up and the running acceptance; K = 0 where drafts "
+                        "are expected not to pay")
     k.add_argument("--fixed-k", action="store_true",
                    help="draft num_speculative_tokens every step (compiles one graph instead of K + 1)")
     g.set_defaults(fixed_k=None)  # None: adaptive K, fixed with --step-by-step

@@ -18,10 +18,11 @@ from .graph.backends import Backend
 from .graph.model import DeepseekV3ForCausalLM
 from .kv_cache import BlockManager, KVCaches
 from .metrics import RunStats, SpecMetrics
-from .runner import ModelRunner, StepOutput
+from .runner import ModelRunner
 from .warmup import WarmupReport, dynamo_compile_count
 from .sampling import SamplingParams, make_generator
-from .scheduler import AcceptanceTracker, Scheduler, Sequence
+from .k_policy import AcceptanceTracker, KPolicy
+from .scheduler import Scheduler, Sequence
 
 __all__ = ["AcceptanceTracker", "Engine", "RequestOutput", "RunStats", "dynamo_compile_count", "load_engine"]
 
@@ -52,8 +53,8 @@ class Engine:
                                         dtype=self.dtype, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                                         layout=cfg.kv_layout)
         self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len, cfg.block_size)
-        self.acceptance = AcceptanceTracker.empty(self.k_max)
-        self.runner = ModelRunner(model, cfg, self.device, self.caches, self.acceptance, count_host_syncs)
+        self.k_policy = KPolicy(self.k_max, cfg.adaptive_k)
+        self.runner = ModelRunner(model, cfg, self.device, self.caches, self.k_policy, count_host_syncs)
         self.eos_token_id = mcfg.eos_token_id
         self._warm_modes: set[tuple[str, bool]] = set()
         self._compiles_at_warmup = 0
@@ -86,11 +87,11 @@ class Engine:
 
     @property
     def force_k(self) -> int | None:
-        return self.runner.force_k
+        return self.k_policy.force_k
 
     @force_k.setter
     def force_k(self, k: int | None) -> None:
-        self.runner.force_k = k
+        self.k_policy.force_k = k
 
     # -- warm-up ----------------------------------------------------------------------------------
     def warmup(self, progress: bool = True, modes: tuple[str, ...] = (GREEDY,), logprobs: bool = False,
@@ -199,30 +200,20 @@ class Engine:
                 stats.prefill_seconds += time.perf_counter() - t0
                 if not stats.generated_tokens:
                     stats.first_token_seconds = time.perf_counter() - start
-                for seq, (token, entry, drafts) in zip(admitted, firsts):
-                    if entry is not None:
-                        seq.logprobs = [*(seq.logprobs or []), entry]
-                    seq.draft_ids = drafts
-                    stats.generated_tokens += 1
-                    sched.append(seq, token)
-                    sched.admitted(seq)
+                stats.generated_tokens += sched.admit(admitted, firsts)
             if not sched.running:
                 continue
             if warm_later:
                 loop_start += self._warm(params, hints, stats)  # warm-up is not decoding time
                 warm_later = False
             plan = self.runner.plan(sched.running)  # the step's K first: the room it needs follows from it
-            room = sched.make_room(plan.k)
-            for victim in room.preempted:
-                self.runner.forget(victim)
-            stats.preemptions += len(room.preempted)
-            if room.grown:
-                self.runner.blocks_grown(sched.running)
+            stats.preemptions += len(sched.make_room(plan.k).preempted)
             if not sched.running:
                 continue
             out = self.runner.step(sched.running, generator, stats, plan)
-            for seq in self._take(sched, out, stats, metrics):
-                sched.finish(seq)
+            stats.generated_tokens += sched.postprocess(out, self.k_policy, metrics)
+            stats.num_steps += 1
+            stats.request_steps += len(out.tokens)
         stats.decode_seconds = time.perf_counter() - loop_start
         stats.k_by_bucket = self.runner.end_run()
         stats.graph_failures = self.runner.graph_failures() - failures_before
@@ -244,31 +235,6 @@ class Engine:
             stats.compile_seconds = self._pending_report.compile_seconds
             self._pending_report = None
         return time.perf_counter() - t0
-
-    def _take(self, sched: Scheduler, out: StepOutput, stats: RunStats, metrics: SpecMetrics | None
-              ) -> list[Sequence]:
-        """Hand one step's tokens to their requests; returns the requests that finished."""
-        finished = []
-        running = list(sched.running)
-        for i, seq in enumerate(running):
-            tokens = out.tokens[i]
-            if metrics is not None:
-                metrics.record(out.num_draft[i], len(tokens) - 1)
-            if self.k_max:
-                self.acceptance.record(out.num_draft[i], len(tokens) - 1)
-            entries = out.logprobs[i] if out.logprobs is not None else None
-            for j, token in enumerate(tokens):
-                stats.generated_tokens += 1
-                if entries is not None and seq.logprobs is not None:
-                    seq.logprobs.append(entries[j])
-                if sched.append(seq, token):
-                    finished.append(seq)
-                    break
-            if out.drafts is not None:
-                seq.draft_ids = out.drafts[i]
-        stats.num_steps += 1
-        stats.request_steps += len(running)
-        return finished
 
 
 def load_engine(model_dir: str | Path, cfg: EngineConfig, device: str = "cpu", count_host_syncs: bool = False,

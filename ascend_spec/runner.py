@@ -33,7 +33,6 @@ import torch
 
 from . import spec_decode
 from .config import EngineConfig
-from .adaptive import LEARN_DRAFTS, AdaptiveK, choose_k
 from .fused_step import GREEDY, MAX_LOGPROBS, RANDOM, SpecStepGraphs, StepKey, top_logprobs
 from .graph.backends import Backend, get_backend
 from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
@@ -42,11 +41,13 @@ from .graph.buckets import BatchArg, BucketedGraph
 from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
+from .inputs import block_row, drafts_fit, pack_chunks, slots_of, step_tokens
+from .k_policy import KPolicy
 from .kv_cache import KVCaches
 from .metrics import RunStats
 from .proposer import DraftInputs
 from .sampling import SamplingParams, SamplingTensors, sample
-from .scheduler import AcceptanceTracker, Sequence, block_row, slots_of
+from .scheduler import Sequence
 from .sync_counter import HostSyncCounter, suspended_if_compiled
 from .torchair_proposer import MtpTorchairProposer
 from .warmup import GraphWarmup
@@ -54,9 +55,6 @@ from .warmup import GraphWarmup
 logger = logging.getLogger(__name__)
 
 
-#: a K that warm-up deferred is compiled only while the longest running request has this many tokens to go: a
-#: compile (about 40 s cold, bundled model, 2-core CPU) that a run ends soon after costs more than it saves
-DEFERRED_MIN_TOKENS = 128
 #: padded tokens one eager prefill forward takes (requests admitted together share forwards up to this)
 PREFILL_TOKENS = 4096
 #: K = 0 steps a request keeps the target's hidden states of, to write their MTP cache entries when it drafts again
@@ -88,6 +86,8 @@ class DeviceBatch:
     live: torch.Tensor  # [Bp] bool
     sampling: SamplingTensors  # fields [Bp]
     logprobs: bool = False
+    #: blocks each real row's request held when ``block_table`` was built (a grown one rebuilds the table)
+    blocks_held: tuple[int, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -133,12 +133,13 @@ def row_logprobs(running: list[Sequence], tokens: list[list[int]], lp_h: list[li
 
 class ModelRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, cfg: EngineConfig, device: torch.device, caches: KVCaches,
-                 acceptance: AcceptanceTracker, count_host_syncs: bool = False) -> None:
+                 k_policy: KPolicy, count_host_syncs: bool = False) -> None:
         self.model = model
         self.cfg = cfg
         self.device = device
         self.caches = caches
-        self.acceptance = acceptance
+        #: this step's K: asked once a step, fed each fused step's cost
+        self.k_policy = k_policy
         self.count_host_syncs = count_host_syncs
         self.spec = cfg.speculative
         self.k_max = self.spec.num_speculative_tokens if self.spec else 0
@@ -179,10 +180,6 @@ class ModelRunner:
         self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len,
                                           keep_hidden=self.proposer is not None,
                                           unpadded=bool(self.spec and self.spec.disable_padded_drafter_batch))
-        #: K per bucket (adaptive_k): step costs measured at warm-up, acceptance from the run
-        self.adaptive = AdaptiveK(self.k_max)
-        #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive_k warms them all)
-        self.force_k: int | None = None
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
@@ -198,7 +195,7 @@ class ModelRunner:
     @property
     def step_seconds(self) -> dict[int, dict[int, float]]:
         """Seconds of one fused step per bucket and K, measured at warm-up (adaptive_k)."""
-        return self.adaptive.step_seconds
+        return self.k_policy.step_seconds
 
     # -- shapes ---------------------------------------------------------------------------------
     @property
@@ -271,6 +268,7 @@ class ModelRunner:
         step. Requests go together, right-padded, up to ``PREFILL_TOKENS`` padded tokens and the largest bucket a
         forward: one pass instead of one per request (at batch 16, a fifth of the run's time went to one-by-one
         prefills)."""
+        self._forget(seqs)
         out: list[tuple[int, dict[int, float] | None, list[int]]] = []
         group: list[Sequence] = []
         for seq in seqs:
@@ -280,6 +278,13 @@ class ModelRunner:
                 group = []
             group.append(seq)
         return out + self._prefill_group(group, generator)
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        """``seqs`` are prefilled anew: what the runner kept of a preempted one (drafts, hidden states) is void. (The
+        device batch has left it: a step ran without it since, as the pool always holds the oldest request.)"""
+        for seq in seqs:
+            self._pending_drafts.pop(seq.req_id, None)
+            self._undrafted.pop(seq.req_id, None)
 
     def _prefill_group(self, seqs: list[Sequence], generator: torch.Generator | None
                        ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
@@ -313,23 +318,11 @@ class ModelRunner:
 
     def _chunk(self, seqs: list[Sequence], tokens: list[list[int]], firsts: list[int]
                ) -> tuple[torch.Tensor, ...]:
-        """Consecutive positions per request (``tokens[i]`` from position ``firsts[i]``), right-padded into
-        ``[B, n]``: ids, positions, slots, block table, seq_lens and each row's last index. Pad tokens repeat the
-        row's last position and write nothing: they see only the row's own keys."""
-        dev, max_len = self.device, self.cfg.max_model_len
-        lens = [len(t) for t in tokens]
-        n = max(lens)
-        ends = [f + m for f, m in zip(firsts, lens)]
-        # the drafts write up to K positions past the chunk; a row's padded query block ends at first + n
-        width = self.width_for(max(f + n for f in firsts) + 2 * self.k_max)
-        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=dev)
-        pos = torch.tensor([list(range(f, e)) + [e - 1] * (n - m) for f, e, m in zip(firsts, ends, lens)],
-                           dtype=torch.long, device=dev)
-        slots = torch.tensor([slots_of(s, list(range(f, e)), max_len, self.caches.block_size) + [-1] * (n - m)
-                              for s, f, e, m in zip(seqs, firsts, ends, lens)], dtype=torch.long, device=dev)
-        table = torch.tensor([block_row(s, width) for s in seqs], dtype=torch.long, device=dev)
-        return (ids, pos, slots, table, torch.tensor(ends, dtype=torch.long, device=dev),
-                torch.tensor([m - 1 for m in lens], dtype=torch.long, device=dev))
+        """``inputs.pack_chunks`` with the table as wide as the chunks' drafts reach (a row's padded query block
+        ends at first + n, the drafts chain on from its last position)."""
+        n = max(len(t) for t in tokens)
+        width = self.width_for(max(step_tokens(f + n, self.k_max) for f in firsts))
+        return pack_chunks(seqs, tokens, firsts, width, self.cfg.max_model_len, self.caches.block_size, self.device)
 
     def _draft_chunk(self, inputs: DraftInputs) -> torch.Tensor:
         """Drafts ``[B, K]`` for chunks of positions (a prompt, a K = 0 stretch), writing their MTP cache entries:
@@ -347,7 +340,11 @@ class ModelRunner:
         if not self.fused_applies(running):
             return StepPlan(self.k_max, bucket, fused=False)
         to_go = max(s.max_tokens - len(s.output_ids) for s in running)
-        return StepPlan(self._k_for(bucket, to_go), bucket, fused=True)
+        deferred = len(self.warm.deferred)
+        k = self.k_policy.k_for(bucket, to_go, self.warm)
+        if len(self.warm.deferred) != deferred:
+            self._last_step_end = None  # a deferred K compiled: no step's cost, and it ran between no steps
+        return StepPlan(k, bucket, fused=True)
 
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats,
              plan: StepPlan | None = None) -> StepOutput:
@@ -361,26 +358,12 @@ class ModelRunner:
         self._last_step_end = None
         return self._step_by_step(running, generator, stats)
 
-    def forget(self, seq: Sequence) -> None:
-        """``seq`` left the batch (preempted): its drafts are void."""
-        self._pending_drafts.pop(seq.req_id, None)
-        self._undrafted.pop(seq.req_id, None)
-
-    def blocks_grown(self, running: list[Sequence]) -> None:
-        """A running sequence gained a block: the fused path keeps the block table on device, refresh it (out of
-        place: a replay in flight may still read the old one)."""
-        batch = self._batch
-        if batch is not None and batch.req_ids == tuple(s.req_id for s in running):
-            batch.block_table = self._block_table(running, batch.rows)
-
     def end_run(self) -> dict[int, int]:
         """The K each bucket runs at now (fixed K: K_max)."""
         self._batch = None
         self._last_step_end = None
         self._undrafted.clear()
-        if not (self.cfg.adaptive_k and self.k_max):
-            return {b: self.k_max for b in self.batch_sizes}
-        return {b: self.adaptive.chosen.get(b, self.k_max) for b in self.batch_sizes}
+        return self.k_policy.chosen(self.batch_sizes)
 
     def graph_failures(self) -> int:
         """Compiled graphs of this runner that failed so far (``graph_failure: eager``: each step reran eagerly)."""
@@ -409,41 +392,6 @@ class ModelRunner:
             stats.host_sync_events.extend(counter.events)
 
     # -- fused path: one graph per step over device-side state ------------------------------------
-    def _k_for(self, bucket: int, to_go: int | None = None) -> int:
-        """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many)."""
-        deferred = self.warm.deferred
-        if self.force_k is not None:
-            k, why = self.force_k, "asked for"
-        elif not (self.cfg.adaptive_k and self.k_max):
-            return self.k_max
-        elif self.acceptance.offered[0] < LEARN_DRAFTS:
-            # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
-            # then learn only from explorations. Draft K_max until some have been verified.
-            return self.k_max
-        elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
-            # what is left of the run would not repay a compile: the K values warm stay the choice
-            return self.k_max if 0 in deferred else self._best_warm(bucket)
-        else:
-            if 0 in deferred:
-                self._compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
-            k = self.adaptive.k_for(bucket, self.acceptance.rates())
-            why = f"adaptive K expects it to pay at batch {bucket}"
-        if k in deferred:
-            self._compile_deferred(k, why)
-        return k
-
-    def _compile_deferred(self, k: int, why: str) -> None:
-        self.warm.compile_deferred(k, why)
-        self._last_step_end = None  # the compile is no step's cost and ran between no steps
-
-    def _best_warm(self, bucket: int) -> int:
-        """The policy's K among the warm ones (the deferred K values' interpolated figures left out)."""
-        costs = self.adaptive.step_seconds.get(bucket)
-        if not costs:
-            return self.k_max
-        warm = {k: c for k, c in costs.items() if k not in self.warm.deferred}
-        return choose_k(warm, self.acceptance.rates(), self.adaptive.chosen.get(bucket), bucket)
-
     def _block_table(self, running: list[Sequence], rows: int) -> torch.Tensor:
         m = self.max_blocks
         table = [block_row(s, m) for s in running] + [[0] * m] * (rows - len(running))
@@ -483,7 +431,7 @@ class ModelRunner:
             block_table=self._block_table(running, rows),
             live=torch.tensor([True] * b + [False] * pad, device=dev),
             sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, dev),
-            logprobs=logprobs)
+            logprobs=logprobs, blocks_held=tuple(len(s.blocks) for s in running))
 
     def _note_undrafted(self, running: list[Sequence], hidden: torch.Tensor) -> None:
         """A K = 0 step ran no MTP layer: keep each row's hidden state (a reference to the step's output, no copy)
@@ -593,9 +541,11 @@ class ModelRunner:
                 # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
                 # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
                 t_cost = time.perf_counter()
+        held = tuple(len(s.blocks) for s in running)
+        if held != batch.blocks_held:  # a request gained a block: out of place, a replay may still read the old table
+            batch.block_table, batch.blocks_held = self._block_table(running, batch.rows), held
         max_len = self.cfg.max_model_len
-        # Keys the step reads: verify positions up to start + k, draft positions up to start + 2k - 1.
-        width = self.width_for(max(s.num_tokens + 2 * k for s in running))
+        width = self.width_for(max(step_tokens(s.num_tokens, k) for s in running))
         stats.attention_keys_read += batch.rows * width * self.caches.block_size
         stats.attention_keys_live += sum(s.num_tokens for s in running) + b * k
         noise = None
@@ -631,7 +581,7 @@ class ModelRunner:
         with self._transfers(stats):
             out_h = torch.cat([sampled[:b].long(), valid[:b].long().view(-1, 1)], dim=1).tolist()
             lp_h = [t[:b].tolist() for t in lp] if lp else None
-        num_draft = [max(0, min(n, max_len - (s.num_tokens - 1) - 2)) for n, s in zip(batch.num_draft_host, running)]
+        num_draft = [drafts_fit(s.num_tokens, n, max_len) for n, s in zip(batch.num_draft_host, running)]
         batch.input_ids, batch.start = next_input, next_start
         if batch.num_draft_host != [k] * b:
             batch.num_draft = torch.full_like(batch.num_draft, k)
@@ -641,12 +591,12 @@ class ModelRunner:
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         end = self._last_step_end = time.perf_counter()
         stats.host_seconds += (t1 - t0) + (end - t2)
-        if self.cfg.adaptive_k and self.force_k is None and (full or planned and not self.shapes.dynamic_batch):
+        if full or planned and not self.shapes.dynamic_batch:
             # What this K costs: the step itself, graph and host (a rebuild for new requests included, not one for
             # a new K), and apart from it what ran since the step before. Dynamic-batch backends count only a full
             # bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would drag
             # the bucket's figure for the running K far below what the next full batch pays.
-            self.adaptive.observe(bucket, k, end - t_cost, between)
+            self.k_policy.observe(bucket, k, end - t_cost, between)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------
@@ -658,11 +608,11 @@ class ModelRunner:
         dev = self.device
         q = 1 + self.k_max
         max_len = self.cfg.max_model_len
-        width = self.width_for(max(s.num_tokens + 2 * self.k_max for s in running))
+        width = self.width_for(max(step_tokens(s.num_tokens, self.k_max) for s in running))
         rows_ids, rows_pos, rows_slots, num_draft = [], [], [], []
         for seq in running:
             p = seq.num_tokens - 1  # tokens already in the cache
-            nd = max(0, min(self.k_max, max_len - p - 2))
+            nd = drafts_fit(seq.num_tokens, self.k_max, max_len)
             positions = [p + j for j in range(q)]
             rows_ids.append([seq.last_token] + seq.draft_ids[: self.k_max])
             rows_pos.append([x if x < max_len else 0 for x in positions])

@@ -1,15 +1,24 @@
 """Requests and their lifecycle: admission, KV blocks on demand, preemption, appending tokens, finishing.
 
 The scheduler never touches a tensor; the runner (:mod:`.runner`) never touches a request's lifecycle
-(nano-vllm's split). The engine's loop is ``schedule → runner step → append``.
+(nano-vllm's split). A decode step in the engine's loop is ``runner.plan`` (this step's K, from the K policy) →
+``make_room`` (cache room for it) → ``runner.step`` → ``postprocess`` (tokens appended, acceptance recorded,
+requests finished); nothing calls back between them.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from .inputs import step_tokens
 from .kv_cache import BlockManager
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .k_policy import KPolicy
+    from .metrics import SpecMetrics
+    from .runner import StepOutput
 
 
 @dataclass
@@ -33,58 +42,11 @@ class Sequence:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
 
-#: pseudo-drafts each position's acceptance starts from
-PRIOR_WEIGHT = 2
-#: drafts (per position) the acceptance adaptive K weighs is an average over, an exponential window, most recent
-#: first: it follows the requests running now. Over the whole run, the first requests' drafts held the figure down
-#: for good (bundled model, batch 1: position 1 accepted 0.21 over the first 74 steps, 0.65 over the run; the
-#: policy turned to K = 0 at 0.32 and, learning from explorations only, had reached 0.44 after 1,700 steps)
-ACCEPTANCE_WINDOW = 64
-
-
-@dataclass
-class AcceptanceTracker:
-    """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted): counts over the run
-    (``offered``, ``accepted``), and ``rates()`` over the last ``ACCEPTANCE_WINDOW`` or so drafts of each position,
-    smoothed by ``PRIOR_WEIGHT`` pseudo-drafts at the rate of the position before (1/2 for the first). Deep positions
-    are verified only when a K that reaches them runs; under a flat prior of 1/2 a policy running a low K would
-    judge a high one by that prior and never pick it, while MTP heads' conditional acceptance holds or rises with
-    depth."""
-
-    offered: list[int]
-    accepted: list[int]
-    #: exponentially weighted counts: each draft of a position multiplies that position's by 1 - 1/window first
-    recent_offered: list[float]
-    recent_accepted: list[float]
-
-    @classmethod
-    def empty(cls, k: int) -> "AcceptanceTracker":
-        return cls([0] * k, [0] * k, [0.0] * k, [0.0] * k)
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        keep = 1 - 1 / ACCEPTANCE_WINDOW
-        for j in range(num_draft):
-            if j <= num_accepted:
-                hit = j < num_accepted
-                self.offered[j] += 1
-                self.accepted[j] += hit
-                self.recent_offered[j] = keep * self.recent_offered[j] + 1
-                self.recent_accepted[j] = keep * self.recent_accepted[j] + hit
-
-    def rates(self) -> list[float]:
-        rates, prior = [], 0.5
-        for a, o in zip(self.recent_accepted, self.recent_offered):
-            prior = (a + PRIOR_WEIGHT * prior) / (o + PRIOR_WEIGHT)
-            rates.append(prior)
-        return rates
-
-
 @dataclass
 class ScheduleResult:
-    """What changed while making room for the next step: requests preempted, and whether a running one grew."""
+    """What making room for the next step changed: the requests preempted (back to the head of the queue)."""
 
     preempted: list[Sequence] = field(default_factory=list)
-    grown: bool = False
 
 
 class Scheduler:
@@ -111,8 +73,7 @@ class Scheduler:
     def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
         """Cache room one step at K = ``k`` (default K_max) needs: verify positions up to ``start + K``, chained
         draft positions up to ``start + 2K - 1`` (``start = num_tokens - 1``)."""
-        k = self.k_max if k is None else k
-        return seq.num_tokens - 1 + max(1 + k, 2 * k)
+        return step_tokens(seq.num_tokens, self.k_max if k is None else k)
 
     def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:
         """The next waiting request to prefill, if the batch has room (``pending``: requests taken for this
@@ -149,9 +110,7 @@ class Scheduler:
         result = ScheduleResult()
         running, i = self.running, 0
         while i < len(running):
-            held = len(running[i].blocks)
             if self.blocks.ensure_capacity(running[i].blocks, self.step_tokens(running[i], k)):
-                result.grown |= len(running[i].blocks) > held
                 i += 1
                 continue
             victim = running.pop()
@@ -160,6 +119,42 @@ class Scheduler:
             self.waiting.appendleft(victim)
             result.preempted.append(victim)
         return result
+
+    def admit(self, seqs: list[Sequence], firsts: list[tuple[int, dict[int, float] | None, list[int]]]) -> int:
+        """Prefilled ``seqs`` take what their prefill gave (``runner.prefill``: the first token, its logprob entry,
+        the drafts for the next step); each then runs, or, finished by that token, gives its blocks back. Returns
+        the tokens appended."""
+        for seq, (token, entry, drafts) in zip(seqs, firsts):
+            if entry is not None:
+                seq.logprobs = [*(seq.logprobs or []), entry]
+            seq.draft_ids = drafts
+            self.append(seq, token)
+            self.admitted(seq)
+        return len(seqs)
+
+    def postprocess(self, out: StepOutput, k_policy: KPolicy, metrics: SpecMetrics | None) -> int:
+        """One decode step's result for the running requests, in order: each row's verified drafts go to the K
+        policy (and ``metrics``), its tokens are appended up to its finish, its next drafts kept (step-by-step
+        path); finished requests leave the batch. Returns the tokens appended."""
+        appended, finished = 0, []
+        for i, seq in enumerate(self.running):
+            tokens = out.tokens[i]
+            k_policy.record(out.num_draft[i], len(tokens) - 1)
+            if metrics is not None:
+                metrics.record(out.num_draft[i], len(tokens) - 1)
+            entries = out.logprobs[i] if out.logprobs is not None else None
+            for j, token in enumerate(tokens):
+                appended += 1
+                if entries is not None and seq.logprobs is not None:
+                    seq.logprobs.append(entries[j])
+                if self.append(seq, token):
+                    finished.append(seq)
+                    break
+            if out.drafts is not None:
+                seq.draft_ids = out.drafts[i]
+        for seq in finished:
+            self.finish(seq)
+        return appended
 
     def append(self, seq: Sequence, token: int) -> bool:
         """Append one generated token; returns True when the request just finished."""
@@ -176,14 +171,3 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.blocks)
 
-
-# -- the cache addresses of a request (read by the runner) -----------------------------------------
-def block_row(seq: Sequence, width: int) -> list[int]:
-    """The first ``width`` entries of ``seq``'s block table, padded with the null block."""
-    return seq.blocks[:width] + [0] * (width - min(len(seq.blocks), width))
-
-
-def slots_of(seq: Sequence, positions: list[int], max_model_len: int, block_size: int) -> list[int]:
-    """Cache slots of ``positions`` in blocks of ``block_size``; -1 (write nothing) at or past ``max_model_len``."""
-    return [seq.blocks[p // block_size] * block_size + p % block_size
-            if p < max_model_len else -1 for p in positions]

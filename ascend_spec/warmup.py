@@ -59,7 +59,7 @@ class GraphWarmup:
         self.shapes = runner.shapes
         self.device = runner.device
         self.max_blocks = runner.max_blocks
-        self.adaptive = runner.adaptive
+        self.adaptive = runner.k_policy.costs
         first = self.cfg.warm_graphs == "first" and runner.backend.name != "eager"
         defers = first and self.cfg.adaptive_k and self.cfg.fused_step
         #: fused-step K values whose graphs warm-up leaves for their first use (``warm_graphs: first``)

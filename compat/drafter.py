@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ascend_spec import spec_decode
+from ascend_spec.inputs import pad_ragged
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import Backend, get_backend
 from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
@@ -444,14 +445,9 @@ class AscendSpecMtpMixin:
             # repack ragged -> [B, W] with inert padding (slot -1, token 0) on device, W at least 1 + K so that an
             # unpadded decode batch replays the decode graph's width (no host read, no new shape).
             width = max(f.max_query_len, q)
-            j = torch.arange(width, device=qsl.device).view(1, -1)
-            valid = j < (qsl[1:] - qsl[:-1]).view(-1, 1)
-            gather = torch.where(valid, qsl[:-1].view(-1, 1) + j, 0).to(dev)
-            valid = valid.to(dev)
-            ids = torch.where(valid, target_token_ids[gather].long(), 0)
-            pos = torch.where(valid, target_positions[gather].long(), 0)
-            hidden = torch.where(valid.unsqueeze(-1), target_hidden_states[gather], 0.0)
-            slots = torch.where(valid, f.slot_mapping[gather].long(), -1)
+            ids, pos, hidden, slots = pad_ragged(qsl, width, dev, [
+                (target_token_ids, 0), (target_positions, 0), (target_hidden_states, 0.0), (f.slot_mapping, -1)])
+            ids, pos, slots = ids.long(), pos.long(), slots.long()
             sample_idx = (tis - qsl[:-1]).clamp(0, width - 1)
             if self._ascend.graph_serves(b, width):
                 self.ascend_stats.graph_calls += 1

@@ -10,7 +10,7 @@ import pytest
 from ascend_spec.adaptive import LEARN_DRAFTS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
 from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
-from ascend_spec import runner as runner_module
+from ascend_spec import k_policy
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -72,18 +72,18 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
     for _ in range(LEARN_DRAFTS):  # acceptance learnt
-        runner.acceptance.record(2, 1)
+        runner.k_policy.record(2, 1)
     # requests this short would not repay a compile: K_max goes on
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
     assert stats.steps_per_k == {2: stats.num_steps} and stats.deferred_compiles == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
 
-    monkeypatch.setattr(runner_module, "DEFERRED_MIN_TOKENS", 0)  # the bundled fixture's max_model_len is 128
+    monkeypatch.setattr(k_policy, "DEFERRED_MIN_TOKENS", 0)  # the bundled fixture's max_model_len is 128
     compiles = dynamo_compile_count()
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
     picked = 1 in stats.steps_per_k  # the policy may pick K = 1 on its interpolated figure: then it compiled too
     assert {key.k for key in eng.spec_graphs._graphs} == ({0, 1, 2} if picked else {0, 2})
-    assert runner.adaptive.pending == (set() if picked else {1})
+    assert runner.k_policy.costs.pending == (set() if picked else {1})
     if not picked:
         assert all(costs[1] == pytest.approx((costs[0] + costs[2]) / 2) for costs in eng.step_seconds.values())
     assert stats.deferred_compiles == dynamo_compile_count() - compiles > 0
@@ -92,7 +92,7 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
 
     eng.force_k = 1
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
-    assert stats.steps_per_k == {1: stats.num_steps} and not runner.adaptive.pending
+    assert stats.steps_per_k == {1: stats.num_steps} and not runner.k_policy.costs.pending
     assert (stats.deferred_compiles > 0) != picked and stats.recompiles_after_warmup == 0
     assert all(costs[1] != pytest.approx((costs[0] + costs[2]) / 2) for costs in eng.step_seconds.values())
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

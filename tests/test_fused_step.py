@@ -13,7 +13,7 @@ from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_E
                                   SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step, explore_every,
                                   speedup_limit, stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
-from ascend_spec.scheduler import ACCEPTANCE_WINDOW
+from ascend_spec.k_policy import ACCEPTANCE_WINDOW
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -128,12 +128,13 @@ def test_adaptive_k_drafts_k_max_until_drafts_are_verified(trained_dir):
     """Acceptance is learnt only from drafts: until LEARN_DRAFTS are verified K_max runs, even where the prior
     (1/2 a position) and the costs favour K = 0 (which would learn only from explorations)."""
     runner = _engine(trained_dir, 3, fused=True, adaptive=True).runner
-    runner.adaptive.step_seconds[1] = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}
+    policy = runner.k_policy
+    policy.step_seconds[1] = {0: 1.0, 1: 2.0, 2: 2.5, 3: 3.0}
     for _ in range(LEARN_DRAFTS - 1):
-        runner.acceptance.record(3, 0)  # verified, rejected
-    assert runner._k_for(1) == 3
-    runner.acceptance.record(3, 0)
-    assert runner._k_for(1) == 0
+        policy.record(3, 0)  # verified, rejected
+    assert policy.k_for(1, None, runner.warm) == 3
+    policy.record(3, 0)
+    assert policy.k_for(1, None, runner.warm) == 0
 
 
 def test_choose_k_weighs_cost_against_acceptance():
@@ -469,7 +470,7 @@ def _scripted_k(eng, k_of_step) -> dict:
     plan, step = runner.plan, runner.step
 
     def scripted_plan(running):
-        runner.force_k = k_of_step(count[0])
+        runner.k_policy.force_k = k_of_step(count[0])
         count[0] += 1
         return plan(running)
 

@@ -54,7 +54,7 @@ from ascend_spec.graph.weights import load_model
 from ascend_spec.metrics import RunStats
 from ascend_spec.models import BUNDLED_MODEL_DIR
 from ascend_spec.sampling import SamplingParams
-from ascend_spec.scheduler import AcceptanceTracker
+from ascend_spec.k_policy import AcceptanceTracker
 from ascend_spec.tokenizer import TextTokenizer
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.txt")
@@ -159,7 +159,7 @@ def serve(eng: Engine, requests: list[list[int]], batch: int, max_tokens: list[i
 
 
 def use_tracker(eng: Engine, tracker: AcceptanceTracker) -> None:
-    eng.acceptance = eng.runner.acceptance = tracker
+    eng.k_policy.acceptance = tracker
 
 
 def turn_order(names: list[str], turn: int) -> list[str]:

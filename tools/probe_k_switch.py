@@ -4,7 +4,7 @@
     python tools/probe_k_switch.py --device cuda [--batch 4] [--max-tokens 64] [--rounds 2]
 
 One engine (inductor: CUDA graphs on CUDA, K = 0..2 compiled, adaptive K's graphs) serves every scenario; each
-scripts the K of every step (``runner.force_k``) so that only the pattern of K changes differs: K = 2 every step,
+scripts the K of every step (``KPolicy.force_k``) so that only the pattern of K changes differs: K = 2 every step,
 one K = 0 step in 40 (what adaptive K's explorations look like), and K alternating 2 / 0. Each runs twice: as the
 engine steps today, and with ``torch.compiler.cudagraph_mark_step_begin()`` before every step (each step's graph a
 new root of the CUDA graph tree, so replaying another K's graph never leaves a recorded path). Printed per
@@ -73,7 +73,7 @@ def run(eng: Engine, prompts: list[list[int]], max_tokens: int, k_of_step: Calla
     mark = mark_step and eng.device.type == "cuda"
 
     def scripted(running):  # the step's K is planned before the scheduler makes room for it
-        runner.force_k = k_of_step(count[0])
+        runner.k_policy.force_k = k_of_step(count[0])
         count[0] += 1
         if mark:
             torch.compiler.cudagraph_mark_step_begin()
@@ -87,7 +87,7 @@ def run(eng: Engine, prompts: list[list[int]], max_tokens: int, k_of_step: Calla
             seconds = time.perf_counter() - t0
     finally:
         del runner.plan
-        runner.force_k = None
+        runner.k_policy.force_k = None
     tokens = sum(len(o.token_ids) for o in out)
     return tokens / seconds, 1000 * seconds / max(stats.num_steps, 1), stats.num_steps, events
 

@@ -1,0 +1,135 @@
+"""This step's K, as one object: the runner asks it once a step (:meth:`KPolicy.k_for`, before the scheduler makes
+cache room for that K), the fused step tells it what the step cost (:meth:`KPolicy.observe`), and the scheduler's
+postprocess feeds it the drafts verified (:meth:`KPolicy.record`). The cost model behind the choice is
+:mod:`.adaptive`; the acceptance it weighs is :class:`AcceptanceTracker`.
+
+``k_max`` is the most a step drafts (cache room, the tracker's positions, the compiled draft chain); ``k`` is
+what this step drafts, 0..k_max.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .adaptive import LEARN_DRAFTS, AdaptiveK, choose_k
+
+if TYPE_CHECKING:
+    from .warmup import GraphWarmup
+
+#: pseudo-drafts each position's acceptance starts from
+PRIOR_WEIGHT = 2
+#: drafts (per position) the acceptance adaptive K weighs is an average over, an exponential window, most recent
+#: first: it follows the requests running now (over the whole run, a few poor first requests held it down for good)
+ACCEPTANCE_WINDOW = 64
+#: a K that warm-up deferred is compiled only while the longest running request has this many tokens to go: a
+#: compile (about 40 s cold, bundled model, 2-core CPU) that a run ends soon after costs more than it saves
+DEFERRED_MIN_TOKENS = 128
+
+
+@dataclass
+class AcceptanceTracker:
+    """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted): counts over the run
+    (``offered``, ``accepted``), and ``rates()`` over the last ``ACCEPTANCE_WINDOW`` or so drafts of each position,
+    smoothed by ``PRIOR_WEIGHT`` pseudo-drafts at the rate of the position before (1/2 for the first). Deep positions
+    are verified only when a K that reaches them runs; under a flat prior of 1/2 a policy running a low K would
+    judge a high one by that prior and never pick it, while MTP heads' conditional acceptance holds or rises with
+    depth."""
+
+    offered: list[int]
+    accepted: list[int]
+    #: exponentially weighted counts: each draft of a position multiplies that position's by 1 - 1/window first
+    recent_offered: list[float]
+    recent_accepted: list[float]
+
+    @classmethod
+    def empty(cls, k_max: int) -> "AcceptanceTracker":
+        return cls([0] * k_max, [0] * k_max, [0.0] * k_max, [0.0] * k_max)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        keep = 1 - 1 / ACCEPTANCE_WINDOW
+        for j in range(num_draft):
+            if j <= num_accepted:
+                hit = j < num_accepted
+                self.offered[j] += 1
+                self.accepted[j] += hit
+                self.recent_offered[j] = keep * self.recent_offered[j] + 1
+                self.recent_accepted[j] = keep * self.recent_accepted[j] + hit
+
+    def rates(self) -> list[float]:
+        rates, prior = [], 0.5
+        for a, o in zip(self.recent_accepted, self.recent_offered):
+            prior = (a + PRIOR_WEIGHT * prior) / (o + PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates
+
+
+@dataclass
+class KPolicy:
+    """K per step: ``force_k`` when set, K_max with ``adaptive`` off, else adaptive K per batch bucket."""
+
+    k_max: int
+    adaptive: bool
+    acceptance: AcceptanceTracker = field(init=False)
+    #: step costs per bucket and K (warm-up measures them, fused steps follow them) and each bucket's choice
+    costs: AdaptiveK = field(init=False)
+    #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive K warms them all)
+    force_k: int | None = None
+
+    def __post_init__(self) -> None:
+        self.adaptive = bool(self.adaptive and self.k_max)
+        self.acceptance = AcceptanceTracker.empty(self.k_max)
+        self.costs = AdaptiveK(self.k_max)
+
+    @property
+    def step_seconds(self) -> dict[int, dict[int, float]]:
+        """Seconds of one fused step per bucket and K (adaptive K)."""
+        return self.costs.step_seconds
+
+    def k_for(self, bucket: int, to_go: int | None, warm: GraphWarmup) -> int:
+        """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many). A K
+        whose graphs ``warm`` deferred is compiled there (it tells why) before it is returned."""
+        deferred = warm.deferred
+        if self.force_k is not None:
+            k, why = self.force_k, "asked for"
+        elif not self.adaptive:
+            return self.k_max
+        elif self.acceptance.offered[0] < LEARN_DRAFTS:
+            # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
+            # then learn only from explorations. Draft K_max until some have been verified.
+            return self.k_max
+        elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
+            # what is left of the run would not repay a compile: the K values warm stay the choice
+            return self.k_max if 0 in deferred else self._best_warm(bucket, deferred)
+        else:
+            if 0 in deferred:
+                warm.compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
+            k = self.costs.k_for(bucket, self.acceptance.rates())
+            why = f"adaptive K expects it to pay at batch {bucket}"
+        if k in deferred:
+            warm.compile_deferred(k, why)
+        return k
+
+    def _best_warm(self, bucket: int, deferred: set[int]) -> int:
+        """The policy's K among the warm ones (the deferred K values' interpolated figures left out)."""
+        costs = self.costs.step_seconds.get(bucket)
+        if not costs:
+            return self.k_max
+        warm = {k: c for k, c in costs.items() if k not in deferred}
+        return choose_k(warm, self.acceptance.rates(), self.costs.chosen.get(bucket), bucket)
+
+    def observe(self, bucket: int, k: int, seconds: float, between: float | None) -> None:
+        """A fused step of ``bucket`` at K = ``k`` took ``seconds`` (``between``: what ran since the step before,
+        None where not known); a forced K teaches nothing."""
+        if self.adaptive and self.force_k is None:
+            self.costs.observe(bucket, k, seconds, between)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """One request's step verified ``num_draft`` drafts and accepted ``num_accepted`` of them."""
+        if self.k_max:
+            self.acceptance.record(num_draft, num_accepted)
+
+    def chosen(self, buckets: list[int]) -> dict[int, int]:
+        """The K each bucket runs at now (fixed K: K_max)."""
+        if not self.adaptive:
+            return {b: self.k_max for b in buckets}
+        return {b: self.costs.chosen.get(b, self.k_max) for b in buckets}
