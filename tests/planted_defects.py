@@ -143,7 +143,7 @@ def deferred_compile_in_step() -> None:
 
     def compile_deferred(self, k: int, why: str) -> None:
         # the defect: the K is marked ready without compiling it, so the step that needs it compiles inside itself
-        self.warm.deferred.discard(k)
+        self.deferred.discard(k)
         self.adaptive.pending.discard(k)
 
     GraphWarmup.compile_deferred = compile_deferred
