@@ -2,7 +2,9 @@
 
 Three rooms, as nano-vllm's: the engine's loop (this module) asks the scheduler (:mod:`.scheduler`: requests,
 blocks, preemption, appending tokens) whom to run, the runner (:mod:`.runner`: device batches, graphs, one
-decode step; warm-up in :mod:`.warmup`) for their tokens, and hands those back to the scheduler.
+decode step; warm-up in :mod:`.warmup`, inputs from :mod:`.inputs`) for their tokens, and hands those back to the
+scheduler. A step's K comes from one object, :class:`.k_policy.KPolicy`: the runner asks it, the scheduler's
+postprocess feeds it.
 """
 from __future__ import annotations
 
@@ -16,12 +18,12 @@ from .config import EngineConfig
 from .fused_step import GREEDY, RANDOM
 from .graph.backends import Backend
 from .graph.model import DeepseekV3ForCausalLM
+from .k_policy import AcceptanceTracker, KPolicy
 from .kv_cache import BlockManager, KVCaches
 from .metrics import RunStats, SpecMetrics
 from .runner import ModelRunner
 from .warmup import WarmupReport, dynamo_compile_count
 from .sampling import SamplingParams, make_generator
-from .k_policy import AcceptanceTracker, KPolicy
 from .scheduler import Scheduler, Sequence
 
 __all__ = ["AcceptanceTracker", "Engine", "RequestOutput", "RunStats", "dynamo_compile_count", "load_engine"]

@@ -71,8 +71,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
-        """Cache room one step at K = ``k`` (default K_max) needs: verify positions up to ``start + K``, chained
-        draft positions up to ``start + 2K - 1`` (``start = num_tokens - 1``)."""
+        """Cache room one step at K = ``k`` (default K_max) needs (:func:`.inputs.step_tokens`)."""
         return step_tokens(seq.num_tokens, self.k_max if k is None else k)
 
     def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:
