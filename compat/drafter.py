@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from ascend_spec import spec_decode
-from ascend_spec.inputs import pad_ragged
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import Backend, get_backend
 from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
@@ -49,6 +48,7 @@ from ascend_spec.graph.external import opaque_indices
 from ascend_spec.graph.latent_cache import (LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
                                             describe, same_shape)
 from ascend_spec.graph.mla_kernels import live_blocks
+from ascend_spec.inputs import pad_ragged
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
