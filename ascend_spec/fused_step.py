@@ -228,12 +228,23 @@ class SpecStepGraphs:
             return self._fn(key)(*args)
 
 
-def time_call(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of ``repeats`` calls (after one untimed call)."""
+def wait_for(device: torch.device) -> None:
+    """Block until ``device`` has run the work queued on it (a CUDA graph's or an NPU's replay returns at launch)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
+    """Median seconds of ``repeats`` calls (after one untimed call), each until ``device`` has run what it queued:
+    timed at launch, a K = 3 step cost about what a K = 0 one did on CUDA graphs (launch-bound, 0.5 ms), and adaptive K
+    priced drafting far too cheap."""
+    dev = device or torch.device("cpu")
     fn()
+    wait_for(dev)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        wait_for(dev)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]

@@ -284,7 +284,7 @@ class GraphWarmup:
         batch = self.runner.inert_batch(rows, k)
         width = self.runner.width_for(context)
         with torch.no_grad():
-            return time_call(lambda: self.runner.replay(batch, width, None), repeats=repeats)
+            return time_call(lambda: self.runner.replay(batch, width, None), repeats=repeats, device=self.device)
 
     def _inert_target_inputs(self, b: int, q: int, width: int) -> list[torch.Tensor]:
         dev = self.device

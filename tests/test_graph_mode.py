@@ -194,3 +194,39 @@ def test_cuda_graph_replays_each_start_a_generation(monkeypatch):
     marks.clear()
     InductorBackend(torch.device("cpu")).compile(lambda x: (x,), "cpu_step")(torch.zeros(2))
     assert marks == []  # no CUDA graphs on CPU: nothing to mark
+
+
+def test_step_timing_waits_for_the_device(monkeypatch):
+    """Warm-up prices each K from timed steps; on CUDA graphs (and NPUs) a replay returns at launch, so a timer must
+    wait for the device after every call, or every K costs its launch (on an H100 a K = 3 step then looked as cheap as
+    a K = 0 one and adaptive K drafted where plain decoding was 1.3x faster). Checked without a GPU on the timer's
+    waits: one after each call, on the device it was given; none on CPU."""
+    from ascend_spec.fused_step import time_call
+
+    waits = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waits.append(device))
+    calls = []
+    time_call(lambda: calls.append(1), repeats=3, device=torch.device("cuda", 0))
+    assert len(calls) == 4 and waits == [torch.device("cuda", 0)] * 4
+    waits.clear()
+    time_call(lambda: None, repeats=3, device=torch.device("cpu"))
+    time_call(lambda: None, repeats=3)
+    assert waits == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_timing_counts_the_device_work_on_cuda():
+    """The timer on a real GPU: a kernel that spins the device for ~20 ms (queued in microseconds) times as at
+    least what CUDA events measured of it."""
+    from ascend_spec.fused_step import time_call
+
+    spin = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731 - cycles, ~20 ms at 2 GHz
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    spin()
+    end.record()
+    torch.cuda.synchronize()
+    device_s = start.elapsed_time(end) / 1e3
+    assert device_s > 5e-3
+    assert time_call(spin, repeats=3, device=torch.device("cuda")) >= 0.8 * device_s

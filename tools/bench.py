@@ -51,10 +51,10 @@ from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphCon
 from ascend_spec.engine import Engine
 from ascend_spec.fused_step import GREEDY, PHASE_DIMS, StepKey, make_spec_phases
 from ascend_spec.graph.weights import load_model
+from ascend_spec.k_policy import AcceptanceTracker
 from ascend_spec.metrics import RunStats
 from ascend_spec.models import BUNDLED_MODEL_DIR
 from ascend_spec.sampling import SamplingParams
-from ascend_spec.k_policy import AcceptanceTracker
 from ascend_spec.tokenizer import TextTokenizer
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.txt")
@@ -263,6 +263,7 @@ def main() -> None:
                     help="draw each request's token budget from max-tokens ± this (default 0: all equal)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu | cuda (inductor: plain on CPU, CUDA graphs on CUDA)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
                     help="torchair_graph_config.prefill_query_widths (default the config's; none: eager prompts)")
     ap.add_argument("--no-account", dest="account", action="store_false",
@@ -271,7 +272,7 @@ def main() -> None:
     if min(args.ks) < 1:
         ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
     torch.manual_seed(0)
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     tok = TextTokenizer(args.model)
     prompts = read_prompts(args.prompts, tok)
     k_max = max(args.ks)
@@ -330,15 +331,19 @@ def main() -> None:
     isa = torch.backends.cpu.get_cpu_capability()
     machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
                else f"{platform.machine()} ({isa}), {torch.get_num_threads()} threads")
-    meta = {"model": args.model.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {"model": args.model.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
             "length_spread": args.length_spread,
             "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
             "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": eng.step_seconds,
-            "command": "python tools/bench.py --batches " + " ".join(map(str, args.batches)) + " --ks "
+            "command": "python tools/bench.py"
+                       + ("" if args.model.resolve() == Path(BUNDLED_MODEL_DIR).resolve() else f" --model {args.model}")
+                       + " --batches " + " ".join(map(str, args.batches)) + " --ks "
                        + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"
                        + (f" --length-spread {args.length_spread}" if args.length_spread else "")
-                       + ("" if args.device == "cpu" else f" --device {args.device}")}
+                       + ("" if args.device == "cpu" else f" --device {args.device}")
+                       + (f" --dtype {args.dtype}" if args.dtype else "")}
     write_report(args.out, rows, list(accounts.values()), meta)
     print(f"wrote {args.out}/results.md and plots")
 
@@ -427,9 +432,9 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
     spread = f" ± {meta['length_spread']}" if meta.get("length_spread") else ""
     lines = [f"# Does speculation pay? ({meta['model']})", "",
-             f"{meta['machine']}; torch {meta['torch']}; greedy, {meta['requests']} held-out prompts cycled to 4 "
-             f"requests per slot (at least one each), {meta['max_tokens']}{spread} tokens each, continuous batching, "
-             f"max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
+             f"{meta['machine']}; torch {meta['torch']}; {meta.get('dtype', 'float32')}; greedy, {meta['requests']} "
+             f"held-out prompts cycled to 4 requests per slot (at least one each), {meta['max_tokens']}{spread} tokens "
+             f"each, continuous batching, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
              f"{meta['rounds']} rounds, contenders interleaved. Command: `{meta['command']}`. Warm-up "
              f"{meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} graphs).", "",
              "## End to end", "",

@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one run (a few minutes on one H100): the `cuda` tests under strict graphs,
-# then tools/probe_k_switch.py (what a change of K costs on CUDA graphs; steps under sync debug mode "error").
+# The checks that need an NVIDIA GPU, in one run (about 8 minutes on one H100/H200): adaptive K against no-spec and
+# every fixed K on CUDA graphs (tools/bench.py, the 2-layer fixture in fp32, then the bundled 12-layer model in bf16
+# with what time is left), then the `cuda` tests under strict graphs.
 # Runs on the machine's own torch without installing the project: graph/ and compat/ are linked under ascend_spec/
-# as the installed package lays them out.
+# as the installed package lays them out. Reports go to $CHECKS_OUT (default: a fresh temporary folder).
 set -u
 cd "$(dirname "$0")/.."
 for d in graph compat; do [ -e "ascend_spec/$d" ] || ln -s "../$d" "ascend_spec/$d"; done
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}" ASCEND_SPEC_CACHE_DIR="${ASCEND_SPEC_CACHE_DIR:-$(mktemp -d)}"
 export ASCEND_SPEC_GRAPH_FAILURE=raise PYTHONUNBUFFERED=1
+out="${CHECKS_OUT:-$(mktemp -d)}"
+start=$SECONDS
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
-timeout "${CUDA_TEST_TIMEOUT:-330}" python3 -m pytest -q -rs -m cuda -p no:cacheprovider --durations=10 \
+bench() {  # name, seconds, bench arguments...
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" python3 tools/bench.py --device cuda --no-account --out "/tmp/bench-$name" "$@"
+    echo "bench $name: exit $? after $((SECONDS - start)) s"
+    cp "/tmp/bench-$name/results.md" "$out/$name.md" 2>/dev/null
+    cp "/tmp/bench-$name/results.json" "$out/$name.json" 2>/dev/null
+}
+bench fixture "${FIXTURE_TIMEOUT:-300}" --model ascend_spec/models/tiny-dsv3-2l-mtp --batches 1 4 8 --ks 1 2 3 \
+    --max-tokens 128 --rounds 2
+timeout "${CUDA_TEST_TIMEOUT:-150}" python3 -m pytest -q -rs -m cuda -p no:cacheprovider --durations=10 \
     tests/test_graph_mode.py tests/test_mla_kernels.py tests/test_kv_layouts.py
-echo "cuda tests: exit $?"
-timeout "${PROBE_TIMEOUT:-240}" python3 tools/probe_k_switch.py --device cuda --batch 4 --max-tokens 64 --rounds 2
-echo "probe: exit $?"
+echo "cuda tests: exit $? after $((SECONDS - start)) s"
+left=$(( ${TOTAL_SECONDS:-540} - (SECONDS - start) ))
+if [ "$left" -gt 90 ]; then
+    bench bundled-bf16 "$left" --dtype bfloat16 --batches 1 4 --ks 2 --max-tokens 128 --rounds 1
+fi
