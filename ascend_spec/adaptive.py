@@ -49,6 +49,7 @@ A step that changes K leaves its rebuild and catch-up out of that K's cost (the 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 #: steps between explorations of another K (each costs two steps at a K that may not pay: at batch 16 on CPU a
@@ -88,6 +89,16 @@ BETWEEN_PRIOR_STEPS = 64
 #: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
 #: K = 0 runs, acceptance is learned only from explorations
 LEARN_DRAFTS = 128
+#: share of the running K's step time that explorations may spend on changes of K: each exploration changes K twice
+#: (out and back), and each change rebuilds the batch (out of K = 0, also the MTP catch-up). On CUDA graphs a step
+#: is launch-bound and short (H200, 2-layer fixture: 0.3-1 ms), so a change costs several steps; every 64 steps cost
+#: adaptive K 5-10% at batch 1, running the best K on 747 of 767 steps. Where a change costs under a step (a 2-core
+#: CPU's 10 ms steps) the interval stays EXPLORE_EVERY
+EXPLORE_SHARE = 0.05
+#: steps a change of K's own cost is spread over when a running K gives way to a better one: the switch must pay
+SWITCH_HORIZON = 64
+#: weight of one change of K's time in a bucket's running figure of what a change costs
+SWITCH_SMOOTHING = 0.25
 #: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
 #: high; a K that runs is measured every step and corrected at once, one that does not only when explored
 WARMUP_COST_CONTEXT = 64
@@ -112,11 +123,12 @@ def stop_margin(bucket: int) -> float:
     return max(SWITCH_MARGIN, STOP_MARGIN / bucket)
 
 
-def explore_every(bucket: int, running: int) -> int:
-    """Steps between explorations of a bucket of ``bucket`` rows running at K = ``running``."""
-    if running:
-        return EXPLORE_EVERY
-    return min(EXPLORE_EVERY, EXPLORE_ROW_STEPS * bucket)
+def explore_every(bucket: int, running: int, switch_steps: float = 0.0) -> int:
+    """Steps between explorations of a bucket of ``bucket`` rows running at K = ``running``, where a change of K
+    costs ``switch_steps`` of its steps: at least as many as keep the two changes an exploration makes within
+    ``EXPLORE_SHARE`` of the run."""
+    every = EXPLORE_EVERY if running else min(EXPLORE_EVERY, EXPLORE_ROW_STEPS * bucket)
+    return max(every, math.ceil(EXPLORE_STEPS * switch_steps / EXPLORE_SHARE))
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -135,13 +147,14 @@ def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k
 
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
-             bucket: int = 1) -> int:
+             bucket: int = 1, switch_steps: float = 0.0) -> int:
     """The K with the most expected tokens per second in ``bucket``; ties go to the smaller K (cheaper when
     acceptance drifts). With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and
-    K = 0 must beat a drafting K by ``stop_margin(bucket)``."""
+    K = 0 must beat a drafting K by ``stop_margin(bucket)``; either margin grows by what the change costs
+    (``switch_steps`` of the current K's steps) spread over ``SWITCH_HORIZON`` steps."""
     rate = {k: tokens_per_second(step_seconds, acceptance, k, bucket) for k in step_seconds}
     best = max(sorted(rate), key=lambda k: (rate[k], -k))
-    margin = stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN
+    margin = (stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN) + switch_steps / SWITCH_HORIZON
     if current in rate and current != best and rate[best] < (1 + margin) * rate[current]:
         return current
     return best
@@ -176,6 +189,8 @@ class AdaptiveK:
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
     _steps: dict[int, int] = field(default_factory=dict)
+    #: seconds a change of K costs per bucket (the batch rebuilt, the MTP catch-up out of K = 0): a running figure
+    switch_seconds: dict[int, float] = field(default_factory=dict)
     #: K values whose figures are interpolated (their graphs deferred at start-up): never explored; the runner
     #: compiles and times one the policy picks
     pending: set[int] = field(default_factory=set)
@@ -187,6 +202,16 @@ class AdaptiveK:
         seconds = self.between_seconds.get(bucket, {}).get(k, 0.0)
         return seconds / (self.between_steps.get(bucket, {}).get(k, 0) + BETWEEN_PRIOR_STEPS)
 
+    def switch_steps(self, bucket: int, k: int | None) -> float:
+        """What a change of K costs ``bucket``, in steps of K = ``k`` (0 before one was timed)."""
+        cost = self.step_seconds.get(bucket, {}).get(k) if k is not None else None
+        return self.switch_seconds.get(bucket, 0.0) / cost if cost else 0.0
+
+    def observe_switch(self, bucket: int, seconds: float) -> None:
+        """A change of K in ``bucket`` cost ``seconds`` before its step ran."""
+        seen = self.switch_seconds.get(bucket)
+        self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
+
     def k_for(self, bucket: int, acceptance: list[float]) -> int:
         costs = self.step_seconds.get(bucket)
         if not costs:
@@ -197,9 +222,9 @@ class AdaptiveK:
         drafting = {j: c for j, c in total.items() if j}
         if current is None and drafting:  # the first choice: the best drafting K is the incumbent K = 0 must beat
             current = choose_k(drafting, acceptance, None, bucket)
-        k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket)
+        k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current))
         self._exploring[bucket] = None
-        every = explore_every(bucket, k)
+        every = explore_every(bucket, k, self.switch_steps(bucket, k))
         if n % every >= every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position.

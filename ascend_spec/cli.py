@@ -207,6 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "steps_per_k": stats.steps_per_k,
             "k_by_bucket": stats.k_by_bucket,
             "k_switches": stats.k_switches,
+            "switch_seconds": round(stats.switch_seconds, 4),
             # the step-time account: where decode_seconds went
             "decode_seconds": round(stats.decode_seconds, 4),
             "graph_seconds": round(stats.graph_seconds, 4),

@@ -92,6 +92,8 @@ class RunStats:
     k_by_bucket: dict[int, int] = field(default_factory=dict)
     #: fused steps whose K differs from the step before's (adaptive K's explorations and changes of mind)
     k_switches: int = 0
+    #: what those changes cost before their steps ran (the batch rebuilt, the MTP catch-up out of K = 0), seconds
+    switch_seconds: float = 0.0
     #: where ``decode_seconds`` went (the step-time account): fused graph replays, the runner's host work around
     #: them (inputs, the tokens' transfer), prefills (eager, with their first drafts); the rest is the engine's loop
     graph_seconds: float = 0.0

@@ -1,6 +1,8 @@
 """The fused one-graph step: same tokens as the step-by-step path, no host syncs, one device -> host read per step,
 K chosen per bucket."""
 import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -8,10 +10,10 @@ from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphCon
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
-                                  ROWS_APART_COST, rows_apart_cost, tokens_per_second,
+                                  EXPLORE_SHARE, ROWS_APART_COST, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN,
-                                  SWITCH_MARGIN, AdaptiveK, choose_k, expected_tokens_per_step, explore_every,
-                                  speedup_limit, stop_margin)
+                                  SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, AdaptiveK, choose_k,
+                                  expected_tokens_per_step, explore_every, speedup_limit, stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.k_policy import ACCEPTANCE_WINDOW
 from ascend_spec.sampling import SamplingParams
@@ -280,6 +282,33 @@ def test_adaptive_k_explores_out_of_k0_more_often_in_small_buckets():
     assert sum(k != 0 for k in ks) == 4 * EXPLORE_EVERY // EXPLORE_ROW_STEPS * EXPLORE_STEPS
 
 
+def test_what_a_change_of_k_costs_spaces_explorations_and_widens_the_margin():
+    """A change of K (the batch rebuilt, the MTP catch-up out of K = 0) is timed per bucket. Where it costs several
+    steps (CUDA graphs: short, launch-bound steps), explorations come rarer, their two changes kept within
+    EXPLORE_SHARE of the run, and a running K gives way only to one that repays the change over SWITCH_HORIZON
+    steps. Where it costs under a step, nothing changes."""
+    assert explore_every(1, 3, switch_steps=0.5) == explore_every(1, 3) == EXPLORE_EVERY
+    assert explore_every(1, 3, switch_steps=4) == math.ceil(EXPLORE_STEPS * 4 / EXPLORE_SHARE) > EXPLORE_EVERY
+    assert explore_every(1, 0, switch_steps=4) > explore_every(1, 0) == EXPLORE_ROW_STEPS
+    good = [0.9, 0.9]
+    cheap = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.5, 2: 2.0}}, chosen={1: 2})
+    dear = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.5, 2: 2.0}}, chosen={1: 2})
+    assert dear.switch_steps(1, 2) == 0.0  # none timed yet
+    dear.observe_switch(1, 8.0)
+    dear.observe_switch(1, 4.0)
+    assert dear.switch_seconds[1] == pytest.approx(8.0 + SWITCH_SMOOTHING * (4.0 - 8.0))
+    assert dear.switch_steps(1, 2) == pytest.approx(dear.switch_seconds[1] / 2.0)
+    explored = {name: sum(p.k_for(1, good) != 2 for _ in range(4 * EXPLORE_EVERY))
+                for name, p in (("cheap", cheap), ("dear", dear))}
+    assert explored["cheap"] == 4 * EXPLORE_STEPS and 0 < explored["dear"] < explored["cheap"]
+    # K = 2 yields 7% more per second than K = 1: past SWITCH_MARGIN, not past it and a change of 3.2 steps
+    costs, acceptance = {0: 1.0, 1: 1.5, 2: 2.0}, [0.8, 0.96]
+    at = {k: tokens_per_second(costs, acceptance, k) for k in costs}
+    assert at[2] / at[1] == pytest.approx(1.07)
+    assert choose_k(costs, acceptance, current=1) == 2
+    assert choose_k(costs, acceptance, current=1, switch_steps=0.05 * SWITCH_HORIZON) == 1
+
+
 def test_acceptance_tracker_counts_conditional_rates():
     t = AcceptanceTracker.empty(3)
     t.record(3, 1)  # draft 0 accepted, draft 1 rejected, draft 2 never reached
@@ -482,6 +511,26 @@ def _scripted_k(eng, k_of_step) -> dict:
     return seen
 
 
+def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
+    """The runner times what each change of K costs before its step (the rebuild, the catch-up out of K = 0) and
+    hands it to the policy of the step's bucket; a forced K teaches the policy nothing."""
+    def engine():
+        eager = TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4))
+        eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), adaptive_k=True, graph=eager))
+        eng.k_policy.acceptance.offered[0] = LEARN_DRAFTS  # acceptance learned: the cost model chooses
+        return eng
+
+    eng, steps = engine(), iter(range(1000))
+    eng.k_policy.costs.k_for = lambda bucket, acceptance: 0 if 2 <= next(steps) < 6 else 2
+    _, stats, _ = eng.generate([prompts[0]], SamplingParams(), [20])
+    assert stats.k_switches == 2 and stats.switch_seconds > 0
+    assert set(eng.k_policy.costs.switch_seconds) == {1} and eng.k_policy.costs.switch_seconds[1] > 0
+    forced = engine()
+    _scripted_k(forced, lambda i: 0 if 2 <= i < 6 else 2)
+    _, stats, _ = forced.generate([prompts[0]], SamplingParams(), [20])
+    assert stats.k_switches == 2 and forced.k_policy.costs.switch_seconds == {}
+
+
 @pytest.mark.parametrize("fused_backend", ["eager", "inductor"])
 def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fused_backend):
     """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
@@ -510,6 +559,7 @@ def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fu
     resumed, resumed_cache, stats = run(lambda i: 0 if 2 <= i < 14 else 2)
     assert stats.steps_per_k.get(0) == 12 and stats.steps_per_k.get(2)
     assert stats.k_switches == 2  # 2 -> 0 at the third step, 0 -> 2 at the fifteenth
+    assert stats.switch_seconds > 0  # the rebuilds, and the catch-up out of K = 0, are timed
     drafted, drafted_cache, _ = run(lambda i: 2)
     assert resumed == drafted
     assert resumed_cache.shape == drafted_cache.shape

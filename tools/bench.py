@@ -83,6 +83,7 @@ class Tally:
     prefill: float = 0.0
     rebuilds: int = 0
     k_switches: int = 0
+    switch_seconds: float = 0.0
     keys_read: int = 0
     keys_live: int = 0
     steps_per_k: dict[int, int] = field(default_factory=dict)
@@ -101,6 +102,7 @@ class Tally:
         self.prefill += stats.prefill_seconds
         self.rebuilds += stats.batch_rebuilds
         self.k_switches += stats.k_switches
+        self.switch_seconds += stats.switch_seconds
         self.keys_read += stats.attention_keys_read
         self.keys_live += stats.attention_keys_live
         for k, n in stats.steps_per_k.items():
@@ -319,6 +321,7 @@ def main() -> None:
                    "tokens_per_request_step": last.tokens_per_request_step,
                    "acceptance_per_position": last.acceptance(), "steps_per_k": last.steps_per_k,
                    "k_switches": last.k_switches,
+                   "ms_per_switch": 1e3 * last.switch_seconds / last.k_switches if last.k_switches else None,
                    "same_tokens_as_no_spec": last.outputs == base[-1].outputs,
                    "baseline_ms_per_step": base_step, "one_token_graph_ms": one_token, "baseline_sound": sound}
             if k:  # the limit these step costs and this acceptance allow
@@ -443,7 +446,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     for r in rows:
         steps = ", ".join(f"{k}: {n}" for k, n in sorted(r["steps_per_k"].items()))
         if r["k_switches"]:
-            steps += f" ({r['k_switches']} switches)"
+            steps += f" ({r['k_switches']} switches, {r['ms_per_switch']:.1f} ms each)"
         lines.append(f"| {r['batch']} | {r['contender']} | {r['tokens_per_s']:.1f} | {fmt(r['speedup'])} | "
                      f"{r['tokens_per_request_step']:.2f} | {fmt(r.get('limit'))} | {fmt(r.get('efficiency'))} | "
                      f"{steps} | {r['same_tokens_as_no_spec']} |")
