@@ -217,16 +217,10 @@ def test_step_timing_waits_for_the_device(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_step_timing_counts_the_device_work_on_cuda():
-    """The timer on a real GPU: a kernel that spins the device for ~20 ms (queued in microseconds) times as at
-    least what CUDA events measured of it."""
+    """The timer on a real GPU: a kernel that spins the device for 40M cycles, at least 20 ms at the fastest clock
+    of today's GPUs (H100/H200 boost: 1.98 GHz), is queued in microseconds. (Compared with CUDA events around one
+    spin instead, it failed on a GPU fresh from idle: the first spin ran at the idle clock.)"""
     from ascend_spec.fused_step import time_call
 
-    spin = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731 - cycles, ~20 ms at 2 GHz
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    spin()
-    end.record()
-    torch.cuda.synchronize()
-    device_s = start.elapsed_time(end) / 1e3
-    assert device_s > 5e-3
-    assert time_call(spin, repeats=3, device=torch.device("cuda")) >= 0.8 * device_s
+    spin = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731 - cycles
+    assert time_call(spin, repeats=3, device=torch.device("cuda")) >= 0.01
