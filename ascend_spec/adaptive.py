@@ -45,7 +45,8 @@ K = 0 is what a policy learns least about, so it is guarded three ways: a runnin
 ``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
 many rows); acceptance is a recent window (``k_policy.ACCEPTANCE_WINDOW``), so a few poor first requests do
 not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
-A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them).
+A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them); they
+are timed apart, per bucket, as what a change costs: explorations are spaced and a running K's margin widened by it.
 """
 from __future__ import annotations
 
@@ -89,13 +90,9 @@ BETWEEN_PRIOR_STEPS = 64
 #: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
 #: K = 0 runs, acceptance is learned only from explorations
 LEARN_DRAFTS = 128
-#: share of the running K's step time that explorations may spend on changes of K: each exploration changes K twice
-#: (out and back), and each change rebuilds the batch (out of K = 0, also the MTP catch-up). On CUDA graphs a step
-#: is launch-bound and short (H200, 2-layer fixture: 0.3-1 ms), so a change costs several steps; every 64 steps cost
-#: adaptive K 5-10% at batch 1, running the best K on 747 of 767 steps. Where a change costs under a step (a 2-core
-#: CPU's 10 ms steps) the interval stays EXPLORE_EVERY
+#: share of the run explorations may spend on their changes of K (two each; a change costs several short CUDA steps)
 EXPLORE_SHARE = 0.05
-#: steps a change of K's own cost is spread over when a running K gives way to a better one: the switch must pay
+#: steps over which a change of K must repay its own cost when a running K gives way
 SWITCH_HORIZON = 64
 #: weight of one change of K's time in a bucket's running figure of what a change costs
 SWITCH_SMOOTHING = 0.25

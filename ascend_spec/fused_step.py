@@ -235,9 +235,8 @@ def wait_for(device: torch.device) -> None:
 
 
 def time_call(fn: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
-    """Median seconds of ``repeats`` calls (after one untimed call), each until ``device`` has run what it queued:
-    timed at launch, a K = 3 step cost about what a K = 0 one did on CUDA graphs (launch-bound, 0.5 ms), and adaptive K
-    priced drafting far too cheap."""
+    """Median seconds of ``repeats`` calls (after one untimed call), each until ``device`` has run what it queued (timed
+    at launch, every K of a CUDA-graph step costs about the same)."""
     dev = device or torch.device("cpu")
     fn()
     wait_for(dev)
