@@ -1,5 +1,5 @@
 """Requests → a step's inputs, on the host: how far a step reaches into a request's cache, the drafts that fit
-below ``max_model_len``, block-table rows, cache slots, and ragged chunks right-padded into ``[B, n]``.
+below ``max_model_len``, the block table's width and rows, cache slots, and ragged chunks right-padded into ``[B, n]``.
 
 The scheduler sizes a request's blocks with :func:`step_tokens`, the runner builds its tensors with the rest; the
 graphs compute the same on device (``graph.latent_cache.slots_for``, the fused step's verify in
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from .graph.mla_kernels import live_blocks
 
 if TYPE_CHECKING:
     from .scheduler import Sequence
@@ -26,6 +28,13 @@ def drafts_fit(num_tokens: int, offered: int, max_model_len: int) -> int:
     """Drafts of the ``offered`` a step verifies for a request of ``num_tokens``: room for them and the bonus token
     below ``max_model_len`` (the fused step's verify computes the same on device)."""
     return max(0, min(offered, max_model_len - (num_tokens - 1) - 2))
+
+
+def table_width(longest_tokens: int, max_blocks: int, block_size: int, trim: bool) -> int:
+    """Block-table columns a step passes: the blocks ``longest_tokens`` reach where the backend compiles a dynamic
+    width (``trim``: context is data, a step costs what its context does), else all ``max_blocks`` (one recorded
+    shape replayed)."""
+    return live_blocks(longest_tokens, max_blocks, block_size) if trim else max_blocks
 
 
 def block_row(seq: Sequence, width: int) -> list[int]:

@@ -38,10 +38,9 @@ from .graph.backends import Backend, get_backend
 from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
 from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph
-from .graph.mla_kernels import live_blocks
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
-from .inputs import block_row, drafts_fit, pack_chunks, slots_of, step_tokens
+from .inputs import block_row, drafts_fit, pack_chunks, slots_of, step_tokens, table_width
 from .k_policy import KPolicy
 from .kv_cache import KVCaches
 from .metrics import RunStats
@@ -203,10 +202,9 @@ class ModelRunner:
         return self.caches.max_blocks_per_seq
 
     def width_for(self, longest_tokens: int) -> int:
-        """Block-table columns a step passes: the live blocks on trimming backends, else the full width."""
-        if not self.shapes.trim_context:
-            return self.max_blocks
-        return live_blocks(min(longest_tokens, self.cfg.max_model_len), self.max_blocks, self.caches.block_size)
+        """Block-table columns a step reaching ``longest_tokens`` passes (``inputs.table_width``)."""
+        return table_width(min(longest_tokens, self.cfg.max_model_len), self.max_blocks, self.caches.block_size,
+                           self.shapes.trim_context)
 
     def bucket_for(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""

@@ -47,8 +47,7 @@ from ascend_spec.graph.backends.compile_cache import CacheKey, open_default_cach
 from ascend_spec.graph.external import opaque_indices
 from ascend_spec.graph.latent_cache import (LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
                                             describe, same_shape)
-from ascend_spec.graph.mla_kernels import live_blocks
-from ascend_spec.inputs import pad_ragged
+from ascend_spec.inputs import pad_ragged, table_width
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
@@ -457,7 +456,7 @@ class AscendSpecMtpMixin:
         full = self._ascend.table_width
         # Context is data: on backends that compile a dynamic width the table covers the live blocks only
         # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
-        width = live_blocks(f.max_seq_len + k, full, block) if self._ascend.backend.shapes.trim_context else full
+        width = table_width(f.max_seq_len + k, full, block, self._ascend.backend.shapes.trim_context)
         # Attention that reads host KV lengths (torch_npu's) gets the runner's host ones, optimistic under async
         # scheduling as vllm-ascend's own drafter passes them (an upper bound, never a read of the device's),
         # each aligned to its row's query block: a span right-padded to the batch's width ends that much later.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_spec.graph.latent_cache import slots_for
-from ascend_spec.inputs import block_row, drafts_fit, pack_chunks, pad_ragged, slots_of, step_tokens
+from ascend_spec.inputs import block_row, drafts_fit, pack_chunks, pad_ragged, slots_of, step_tokens, table_width
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.scheduler import Sequence
 
@@ -35,6 +35,17 @@ def test_a_steps_reach_and_drafts_below_max_model_len():
     assert step_tokens(10, 0) == 10 and step_tokens(10, 1) == 11 and step_tokens(10, 3) == 15
     # room for the drafts and the bonus token: a request at 126 of 128 tokens verifies 1 draft of 3
     assert [drafts_fit(n, 3, 128) for n in (120, 126, 127, 128)] == [3, 1, 0, 0]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128])
+def test_table_width_follows_the_context_only_where_the_backend_compiles_it(block_size):
+    """One formula for the runner's steps and vLLM's drafter: the blocks the longest row reaches (at least 2, at most
+    the table) where the width is a dynamic dimension; every column where one recorded shape is replayed."""
+    max_blocks = 4096 // block_size
+    assert table_width(1, max_blocks, block_size, trim=True) == 2
+    assert table_width(3 * block_size + 1, max_blocks, block_size, trim=True) == 4
+    assert table_width(10**6, max_blocks, block_size, trim=True) == max_blocks
+    assert table_width(3 * block_size + 1, max_blocks, block_size, trim=False) == max_blocks
 
 
 def test_pack_chunks_pads_rows_that_write_nothing():

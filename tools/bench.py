@@ -289,6 +289,7 @@ def main() -> None:
     t0 = time.perf_counter()
     report = eng.warmup(progress=True)
     warmup_s = time.perf_counter() - t0
+    warm_costs = {b: dict(c) for b, c in eng.step_seconds.items()}  # the runs move the policy's figures
     contenders: dict[str, int | None] = {"no-spec": 0, **{f"K={k}": k for k in args.ks}, "adaptive": None}
 
     runs: dict[tuple[int, str], list[Tally]] = {}
@@ -339,7 +340,8 @@ def main() -> None:
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
             "length_spread": args.length_spread,
             "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
-            "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": eng.step_seconds,
+            "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": warm_costs,
+            "step_seconds_at_end": eng.step_seconds,
             "command": "python tools/bench.py"
                        + ("" if args.model.resolve() == Path(BUNDLED_MODEL_DIR).resolve() else f" --model {args.model}")
                        + " --batches " + " ".join(map(str, args.batches)) + " --ks "
