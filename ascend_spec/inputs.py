@@ -1,5 +1,6 @@
 """Requests → a step's inputs, on the host: how far a step reaches into a request's cache, the drafts that fit
-below ``max_model_len``, the block table's width and rows, cache slots, and ragged chunks right-padded into ``[B, n]``.
+below ``max_model_len``, the block table's width and rows, cache slots, and ragged chunks right-padded into
+``[B, n]``.
 
 The scheduler sizes a request's blocks with :func:`step_tokens`, the runner builds its tensors with the rest; the
 graphs compute the same on device (``graph.latent_cache.slots_for``, the fused step's verify in

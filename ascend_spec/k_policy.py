@@ -45,11 +45,6 @@ class AcceptanceTracker:
     def empty(cls, k_max: int) -> "AcceptanceTracker":
         return cls([0] * k_max, [0] * k_max, [0.0] * k_max, [0.0] * k_max)
 
-    def observe_switch(self, bucket: int, seconds: float) -> None:
-        """A change of K in ``bucket`` cost ``seconds`` (the batch rebuilt, the MTP catch-up) before its step ran."""
-        if self.adaptive and self.force_k is None:
-            self.costs.observe_switch(bucket, seconds)
-
     def record(self, num_draft: int, num_accepted: int) -> None:
         keep = 1 - 1 / ACCEPTANCE_WINDOW
         for j in range(num_draft):

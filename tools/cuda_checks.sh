@@ -27,5 +27,6 @@ timeout "${CUDA_TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -m cuda -p no:cache
 echo "cuda tests: exit $? after $((SECONDS - start)) s"
 left=$(( ${TOTAL_SECONDS:-840} - (SECONDS - start) ))
 if [ "$left" -gt 90 ]; then
-    bench bundled-bf16 "$left" --model "${BUNDLED_MODEL:-ascend_spec/models/tiny-dsv3-mtp}" --dtype bfloat16 --batches 1 4 --ks 2 --max-tokens 128 --rounds 1
+    bench bundled-bf16 "$left" --model "${BUNDLED_MODEL:-ascend_spec/models/tiny-dsv3-mtp}" --dtype bfloat16 \
+        --batches 1 4 --ks 2 --max-tokens 128 --rounds 1
 fi
