@@ -198,7 +198,7 @@ def test_cuda_graph_replays_each_start_a_generation(monkeypatch):
 
 def test_step_timing_waits_for_the_device(monkeypatch):
     """Warm-up prices each K from timed steps; on CUDA graphs (and NPUs) a replay returns at launch, so a timer must
-    wait for the device after every call, or every K costs its launch (on an H100 a K = 3 step then looked as cheap as
+    wait for the device after every call, or every K costs its launch (on an H100 a K = 2 step then looked as cheap as
     a K = 0 one and adaptive K drafted where plain decoding was 1.3x faster). Checked without a GPU on the timer's
     waits: one after each call, on the device it was given; none on CPU."""
     from ascend_spec.fused_step import time_call
