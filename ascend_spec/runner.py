@@ -539,9 +539,10 @@ class ModelRunner:
                 # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
                 # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
                 t_cost = time.perf_counter()
-                stats.switch_seconds += t_cost - t0
+                switch = t_cost - t0
+                stats.switch_seconds += switch
                 if planned:
-                    self.k_policy.observe_switch(bucket, t_cost - t0)
+                    self.k_policy.observe_switch(bucket, switch)
         held = tuple(len(s.blocks) for s in running)
         if held != batch.blocks_held:  # a request gained a block: out of place, a replay may still read the old table
             batch.block_table, batch.blocks_held = self._block_table(running, batch.rows), held
