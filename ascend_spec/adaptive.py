@@ -37,8 +37,8 @@ at 0.95x plain decoding where K = 3 ran 1.27x).
 Speculating rows finish apart, and that costs a bucket of several rows more than its steps show: the queue's last
 requests drain unevenly, the next ones are prefilled one by one, and rows of different lengths pad each other's
 attention; plain decoding of requests admitted together pays none of it. A drafting K's expected tokens per second
-is discounted by ``rows_apart_cost(bucket)`` (nothing for a lone request), so a K expected to gain less than that
-over plain decoding does not run. Plain decoding is also spared the drafts' room in the cache: the runner plans a
+is discounted by ``rows_apart_cost`` (nothing for a lone request, more the more tokens a step yields), so a K
+expected to gain less than that over plain decoding does not run. Plain decoding is also spared the drafts' room in the cache: the runner plans a
 step's K before the scheduler makes room for it, and a K = 0 step reserves no look-ahead.
 
 K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
@@ -101,18 +101,19 @@ SWITCH_SMOOTHING = 0.25
 WARMUP_COST_CONTEXT = 64
 
 
-#: what speculating costs a bucket of several rows that no step's time shows, as a share of its tokens/s: its rows
-#: finish apart, so the queue's last requests drain unevenly, the next ones are prefilled one by one rather than as
-#: a batch, and rows of different lengths pad each other's attention. Plain decoding of requests admitted together
-#: pays none of it. Bundled model, equal lengths, batch 8-16 on the 2-core CPU: fixed K ran at 0.85-0.90 of what
-#: its step costs and acceptance allowed (docs/performance.md); with mixed lengths, where plain decoding's rows
-#: finish apart too, every K paid 1.12-1.20x. A lone request has no rows to finish apart
-ROWS_APART_COST = 0.06
+#: what speculating costs a bucket of several rows that no step's time shows, as a share of its tokens/s per token a
+#: step yields beyond plain decoding's one: its rows finish apart, so the queue's last requests drain unevenly, the
+#: next ones are prefilled one by one rather than as a batch, and rows of different lengths pad each other's
+#: attention; the more a step advances a row, the further apart they finish. Plain decoding of requests admitted
+#: together pays none of it. Bundled model, equal lengths, batch 2-16 on the 2-core CPU: K = 3 (1.5 tokens over
+#: one) ran 4-7% below K = 1 (0.67 over one) against what their steps cost and acceptance allowed
+ROWS_APART_PER_TOKEN = 0.07
 
 
-def rows_apart_cost(bucket: int) -> float:
-    """Share of a drafting K's expected tokens/s that rows finishing apart cost a bucket of ``bucket`` rows."""
-    return ROWS_APART_COST if bucket > 1 else 0.0
+def rows_apart_cost(bucket: int, tokens_per_step: float) -> float:
+    """Share of a drafting K's expected tokens/s that rows finishing apart cost a bucket of ``bucket`` rows whose
+    steps yield ``tokens_per_step`` a row."""
+    return ROWS_APART_PER_TOKEN * (tokens_per_step - 1) if bucket > 1 else 0.0
 
 
 def stop_margin(bucket: int) -> float:
@@ -138,9 +139,9 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
 
 
 def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int, bucket: int = 1) -> float:
-    """Expected tokens per second of a step at K = ``k``, a drafting K's less what rows finishing apart cost."""
-    rate = expected_tokens_per_step(acceptance, k) / step_seconds[k]
-    return rate * (1 - rows_apart_cost(bucket)) if k else rate
+    """Expected tokens per second of a step at K = ``k``, less what rows finishing apart cost."""
+    tokens = expected_tokens_per_step(acceptance, k)
+    return tokens / step_seconds[k] * (1 - rows_apart_cost(bucket, tokens))
 
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
@@ -185,7 +186,6 @@ class AdaptiveK:
     #: and those steps' count
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
-    _steps: dict[int, int] = field(default_factory=dict)
     #: seconds a change of K costs per bucket (the batch rebuilt, the MTP catch-up out of K = 0): a running figure
     switch_seconds: dict[int, float] = field(default_factory=dict)
     #: K values whose figures are interpolated (their graphs deferred at start-up): never explored; the runner
@@ -193,6 +193,9 @@ class AdaptiveK:
     pending: set[int] = field(default_factory=set)
     #: the K each bucket's last k_for gave as an exploration (None: its running K), until that step is observed
     _exploring: dict[int, int | None] = field(default_factory=dict)
+    #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
+    _since: dict[int, int] = field(default_factory=dict)
+    _explorations: dict[int, int] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps."""
@@ -213,7 +216,7 @@ class AdaptiveK:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
-        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        since = self._since[bucket] = self._since.get(bucket, 0) + 1
         total = {j: c + self.between(bucket, j) for j, c in costs.items()}
         current = self.chosen.get(bucket)
         drafting = {j: c for j, c in total.items() if j}
@@ -222,12 +225,16 @@ class AdaptiveK:
         k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current))
         self._exploring[bucket] = None
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
-        if n % every >= every - EXPLORE_STEPS:
+        if since > every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
-            # turns bring acceptance figures for every position.
+            # turns bring acceptance figures for every position. Counted from the last exploration, so a change
+            # of ``every`` (K = 0 explores more often) neither skips one nor runs two back to back.
             others = [j for j in sorted(costs) if j != k and j not in self.pending]
+            turn = self._explorations.get(bucket, 0)
             if others:
-                k = self._exploring[bucket] = others[(n // every) % len(others)]
+                k = self._exploring[bucket] = others[turn % len(others)]
+            if since >= every:
+                self._since[bucket], self._explorations[bucket] = 0, turn + 1
         return k
 
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None) -> None:

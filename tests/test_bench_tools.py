@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -61,11 +63,21 @@ def test_bench_request_lengths_are_equal_or_spread_the_same_way_for_every_conten
 
 def test_bench_reports_adaptive_against_the_best_other_contender_per_batch():
     versus = bench_module().adaptive_vs_best([
-        {"batch": 1, "contender": "no-spec", "tokens_per_s": 100.0}, {"batch": 1, "contender": "K=2",
-                                                                      "tokens_per_s": 150.0},
-        {"batch": 1, "contender": "adaptive", "tokens_per_s": 120.0},
-        {"batch": 8, "contender": "no-spec", "tokens_per_s": 400.0}, {"batch": 8, "contender": "K=2",
-                                                                      "tokens_per_s": 380.0},
-        {"batch": 8, "contender": "adaptive", "tokens_per_s": 404.0}])
+        {"batch": 1, "contender": "no-spec", "vs_no_spec": 1.0}, {"batch": 1, "contender": "K=2", "vs_no_spec": 1.5},
+        {"batch": 1, "contender": "adaptive", "vs_no_spec": 1.2},
+        {"batch": 8, "contender": "no-spec", "vs_no_spec": 1.0}, {"batch": 8, "contender": "K=2", "vs_no_spec": 0.95},
+        {"batch": 8, "contender": "adaptive", "vs_no_spec": 1.01}])
     assert [(v["batch"], v["best"]) for v in versus] == [(1, "K=2"), (8, "no-spec")]
     assert [round(v["ratio"], 3) for v in versus] == [0.8, 1.01]
+
+
+def test_bench_sets_each_round_against_no_specs_run_of_the_same_round():
+    """The machine's speed drifts between rounds: a contender that ran 0.95x no-spec in every round but one, where
+    it met a slow patch, is 0.95x, not a ratio of medians taken from different rounds."""
+    bench = bench_module()
+    tally = lambda rate: bench.Tally(tokens=int(rate), seconds=1.0)  # noqa: E731
+    base = [tally(r) for r in (100, 300, 310)]
+    runs = [tally(r) for r in (95, 105, 294.5)]
+    assert bench.vs_no_spec(runs, base) == pytest.approx(0.95, abs=0.01)
+    with pytest.raises(ValueError):
+        bench.vs_no_spec(runs[:2], base)

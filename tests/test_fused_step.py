@@ -10,7 +10,7 @@ from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphCon
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
-                                  EXPLORE_SHARE, ROWS_APART_COST, rows_apart_cost, tokens_per_second,
+                                  EXPLORE_SHARE, ROWS_APART_PER_TOKEN, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, OBSERVE_CLIP, STOP_MARGIN,
                                   SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, AdaptiveK, choose_k,
                                   expected_tokens_per_step, explore_every, speedup_limit, stop_margin)
@@ -244,17 +244,27 @@ def test_adaptive_k_leaves_the_running_k_only_for_a_margin():
 
 def test_rows_finishing_apart_cost_a_drafting_k_of_several_rows():
     """A drafting K's rows finish apart (uneven drain, prefills one by one, padded attention), which no step's
-    time shows: in a bucket of several rows its expected tokens/s is discounted by ROWS_APART_COST, and a K
-    expected to gain less than that over plain decoding does not run. A lone request pays none of it."""
+    time shows: in a bucket of several rows its expected tokens/s is discounted by ROWS_APART_PER_TOKEN for each
+    token a step yields beyond plain decoding's one, so a K expected to gain less than that over plain decoding
+    does not run, and of two drafting K values equal per step the one that advances rows less wins. A lone request
+    pays none of it."""
     costs, acceptance = {0: 1.0, 1: 1.55}, [0.62]  # K = 1: 1.62 tokens for 1.55, 4.5% over K = 0
-    assert 1 < expected_tokens_per_step(acceptance, 1) / costs[1] < 1 / (1 - ROWS_APART_COST)
-    assert rows_apart_cost(1) == 0 and rows_apart_cost(2) == rows_apart_cost(16) == ROWS_APART_COST
+    allowance = rows_apart_cost(8, expected_tokens_per_step(acceptance, 1))
+    assert allowance == pytest.approx(0.62 * ROWS_APART_PER_TOKEN)
+    assert 1 < expected_tokens_per_step(acceptance, 1) / costs[1] < 1 / (1 - allowance)
+    assert rows_apart_cost(1, 2.5) == 0 and rows_apart_cost(8, 1.0) == 0
+    assert rows_apart_cost(16, 2.5) == rows_apart_cost(2, 2.5) == pytest.approx(1.5 * ROWS_APART_PER_TOKEN)
     assert tokens_per_second(costs, acceptance, 1, bucket=8) == pytest.approx(
-        (1 - ROWS_APART_COST) * tokens_per_second(costs, acceptance, 1))
+        (1 - allowance) * tokens_per_second(costs, acceptance, 1))
     assert tokens_per_second(costs, acceptance, 0, bucket=8) == tokens_per_second(costs, acceptance, 0)
     assert choose_k(costs, acceptance, bucket=1) == 1
     assert choose_k(costs, acceptance, bucket=8) == 0
     assert choose_k(costs, [0.9], bucket=8) == 1  # 1.9 tokens for 1.55: drafting pays past the allowance
+    # K = 3 yields 2% more per step's cost than K = 1: it wins for a lone request, K = 1 wins for 8 rows
+    costs, acceptance = {0: 1.0, 1: 1.3, 3: 1.93}, [0.65, 0.75, 0.75]
+    e1, e3 = (expected_tokens_per_step(acceptance, k) for k in (1, 3))
+    assert e3 / costs[3] == pytest.approx(1.02 * e1 / costs[1], abs=0.01)
+    assert choose_k(costs, acceptance, bucket=1) == 3 and choose_k(costs, acceptance, bucket=8) == 1
 
 
 def test_adaptive_k_stops_speculating_only_for_the_larger_margin():
@@ -280,6 +290,28 @@ def test_adaptive_k_explores_out_of_k0_more_often_in_small_buckets():
     ks = [policy.k_for(1, poor) for _ in range(4 * EXPLORE_EVERY)]
     assert policy.chosen[1] == 0
     assert sum(k != 0 for k in ks) == 4 * EXPLORE_EVERY // EXPLORE_ROW_STEPS * EXPLORE_STEPS
+
+
+def test_explorations_are_spaced_from_the_last_one_when_the_running_k_changes():
+    """The spacing counts steps since the last exploration: when the running K changes (K = 0 explores every
+    EXPLORE_ROW_STEPS steps at batch 1, a drafting K every EXPLORE_EVERY), the next exploration comes a full new
+    period after the last one, not wherever a step count taken modulo the new period falls."""
+    policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.9, 2: 2.8}})
+    poor, good = [0.1, 0.1], [0.95, 0.95]
+    steps = EXPLORE_ROW_STEPS + 3
+    ks = [policy.k_for(1, poor) for _ in range(steps)]
+    assert policy.chosen[1] == 0
+    policy.step_seconds[1].update({0: 1.0, 1: 1.1, 2: 1.2})  # drafts got cheap and good: K = 2 runs
+    ks += [policy.k_for(1, good) for _ in range(2 * EXPLORE_EVERY)]
+    assert policy.chosen[1] == 2
+    running = [0] * steps + [2] * 2 * EXPLORE_EVERY
+    explored = [i for i, (k, r) in enumerate(zip(ks, running)) if k != r]
+    # one exploration while K = 0 ran (the last EXPLORE_STEPS of its period), then one every EXPLORE_EVERY steps
+    # counted from the end of that one, three steps before K = 2 took over
+    end = EXPLORE_ROW_STEPS - 1
+    assert explored[:2] == [end - 1, end]
+    assert explored[2:] == [end + EXPLORE_EVERY - 1, end + EXPLORE_EVERY, end + 2 * EXPLORE_EVERY - 1,
+                            end + 2 * EXPLORE_EVERY]
 
 
 def test_what_a_change_of_k_costs_spaces_explorations_and_widens_the_margin():
