@@ -237,12 +237,19 @@ class AdaptiveK:
                 self._since[bucket], self._explorations[bucket] = 0, turn + 1
         return k
 
-    def observe(self, bucket: int, k: int, seconds: float, between: float | None = None) -> None:
+    def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
+                switched: bool = False) -> None:
         """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
         known, or K changed). An explored K's step moves its own figure; any other step's scales every K's figure
-        (drift they share). ``between`` adds to this K's own average of what runs between steps."""
+        (drift they share). ``between`` adds to this K's own average of what runs between steps. The first step
+        after a change of K (``switched``) moves nothing: it runs on the caches the other K left, and its time is
+        the change's (bundled model, batch 1, 2-core CPU, whole steps, rebuild in: K = 1's first step after a
+        change 6.7-7.0 ms, its second 6.0-6.2, where it runs at 5.75; an exploration's first step priced it)."""
         costs = self.step_seconds.get(bucket)
         if costs is None or k not in costs:
+            return
+        if switched:
+            self._exploring.pop(bucket, None)
             return
         if between is not None:
             sums, steps = self.between_seconds.setdefault(bucket, {}), self.between_steps.setdefault(bucket, {})

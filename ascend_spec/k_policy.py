@@ -117,11 +117,11 @@ class KPolicy:
         warm = {k: c for k, c in costs.items() if k not in deferred}
         return choose_k(warm, self.acceptance.rates(), self.costs.chosen.get(bucket), bucket)
 
-    def observe(self, bucket: int, k: int, seconds: float, between: float | None) -> None:
+    def observe(self, bucket: int, k: int, seconds: float, between: float | None, switched: bool = False) -> None:
         """A fused step of ``bucket`` at K = ``k`` took ``seconds`` (``between``: what ran since the step before,
-        None where not known); a forced K teaches nothing."""
+        None where not known; ``switched``: the first step after a change of K); a forced K teaches nothing."""
         if self.adaptive and self.force_k is None:
-            self.costs.observe(bucket, k, seconds, between)
+            self.costs.observe(bucket, k, seconds, between, switched)
 
     def observe_switch(self, bucket: int, seconds: float) -> None:
         """A change of K in ``bucket`` cost ``seconds`` (the batch rebuilt, the MTP catch-up) before its step ran."""

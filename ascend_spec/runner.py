@@ -525,9 +525,9 @@ class ModelRunner:
         t_cost = t0  # where the step's cost starts, for adaptive K
         # what ran since the previous step (prefills, the engine's loop), for adaptive K: see AdaptiveK.between
         between = None if self._last_step_end is None else t0 - self._last_step_end
+        switched = batch is not None and batch.k != k
         if (batch is None or batch.req_ids != ids or batch.k != k or batch.mode != mode
                 or batch.logprobs != want_lp):
-            switched = batch is not None and batch.k != k
             batch = self._batch = self._build_batch(running, k, mode, want_lp)
             stats.batch_rebuilds += 1
             if k and self._undrafted:
@@ -598,7 +598,7 @@ class ModelRunner:
             # a new K), and apart from it what ran since the step before. Dynamic-batch backends count only a full
             # bucket's steps: they run the live rows, and a draining queue's steps (rows falling to 1) would drag
             # the bucket's figure for the running K far below what the next full batch pays.
-            self.k_policy.observe(bucket, k, end - t_cost, between)
+            self.k_policy.observe(bucket, k, end - t_cost, between, switched)
         return StepOutput(tokens, num_draft, k, logprobs)
 
     # -- step-by-step path: target graph, eager sampling, draft graph ------------------------------

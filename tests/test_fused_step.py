@@ -197,6 +197,23 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     assert policy.step_seconds[8] == pytest.approx({k: v * bound for k, v in before.items()})
 
 
+def test_the_first_step_after_a_change_of_k_moves_no_figure():
+    """A step right after a change of K runs on the caches the other K left: an exploration's first step, and the
+    running K's first step back, move no figure; the exploration's second step moves the explored K's own."""
+    policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.5, 2: 2.0}}, chosen={8: 2})
+    explore(policy, 8, [0.9, 0.9], 0)
+    policy.observe(8, 0, 3.0, switched=True)  # cold: three times its figure
+    assert policy.step_seconds[8] == {0: 1.0, 1: 1.5, 2: 2.0}
+    assert policy.k_for(8, [0.9, 0.9]) == 0  # the exploration's second step
+    policy.observe(8, 0, 0.9)
+    assert policy.step_seconds[8] == pytest.approx({0: 1.0 - 0.1 * EXPLORE_SMOOTHING, 1: 1.5, 2: 2.0})
+    assert policy.k_for(8, [0.9, 0.9]) == 2
+    policy.observe(8, 2, 4.0, switched=True)  # back at the running K: its first step scales nothing either
+    assert policy.step_seconds[8] == pytest.approx({0: 1.0 - 0.1 * EXPLORE_SMOOTHING, 1: 1.5, 2: 2.0})
+    policy.observe(8, 2, 2.2)
+    assert policy.step_seconds[8][2] == pytest.approx(2.0 * (1 + COST_SMOOTHING * 0.1))
+
+
 def test_a_k_that_runs_but_is_not_explored_scales_every_figure():
     """K_max drafting while acceptance is learned (no exploration) is what runs: its steps, at a new run's short
     contexts, must not price K_max against the last run's long-context figures of the others."""
@@ -554,8 +571,17 @@ def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
 
     eng, steps = engine(), iter(range(1000))
     eng.k_policy.costs.k_for = lambda bucket, acceptance: 0 if 2 <= next(steps) < 6 else 2
+    observed, observe = [], eng.k_policy.costs.observe
+
+    def spy(bucket: int, k: int, seconds: float, between: float | None = None, switched: bool = False) -> None:
+        observed.append((k, switched))
+        observe(bucket, k, seconds, between, switched)
+
+    eng.k_policy.costs.observe = spy
     _, stats, _ = eng.generate([prompts[0]], SamplingParams(), [20])
     assert stats.k_switches == 2 and stats.switch_seconds > 0
+    # the first step after each change is told apart: it prices the change, not its K
+    assert [(i, k) for i, (k, switched) in enumerate(observed) if switched] == [(2, 0), (6, 2)]
     assert set(eng.k_policy.costs.switch_seconds) == {1} and eng.k_policy.costs.switch_seconds[1] > 0
     forced = engine()
     _scripted_k(forced, lambda i: 0 if 2 <= i < 6 else 2)
