@@ -38,8 +38,9 @@ Speculating rows finish apart, and that costs a bucket of several rows more than
 requests drain unevenly, the next ones are prefilled one by one, and rows of different lengths pad each other's
 attention; plain decoding of requests admitted together pays none of it. A drafting K's expected tokens per second
 is discounted by ``rows_apart_cost`` (nothing for a lone request, more the more tokens a step yields), so a K
-expected to gain less than that over plain decoding does not run. Plain decoding is also spared the drafts' room in the cache: the runner plans a
-step's K before the scheduler makes room for it, and a K = 0 step reserves no look-ahead.
+expected to gain less than that over plain decoding does not run. Plain decoding is also spared the drafts' room
+in the cache: the runner plans a step's K before the scheduler makes room for it, and a K = 0 step reserves no
+look-ahead.
 
 K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
 ``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
@@ -104,9 +105,7 @@ WARMUP_COST_CONTEXT = 64
 #: what speculating costs a bucket of several rows that no step's time shows, as a share of its tokens/s per token a
 #: step yields beyond plain decoding's one: its rows finish apart, so the queue's last requests drain unevenly, the
 #: next ones are prefilled one by one rather than as a batch, and rows of different lengths pad each other's
-#: attention; the more a step advances a row, the further apart they finish. Plain decoding of requests admitted
-#: together pays none of it. Bundled model, equal lengths, batch 2-16 on the 2-core CPU: K = 3 (1.5 tokens over
-#: one) ran 4-7% below K = 1 (0.67 over one) against what their steps cost and acceptance allowed
+#: attention; the more a step advances a row, the further apart they finish (measured: docs/performance.md)
 ROWS_APART_PER_TOKEN = 0.07
 
 
@@ -242,9 +241,8 @@ class AdaptiveK:
         """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
         known, or K changed). An explored K's step moves its own figure; any other step's scales every K's figure
         (drift they share). ``between`` adds to this K's own average of what runs between steps. The first step
-        after a change of K (``switched``) moves nothing: it runs on the caches the other K left, and its time is
-        the change's (bundled model, batch 1, 2-core CPU, whole steps, rebuild in: K = 1's first step after a
-        change 6.7-7.0 ms, its second 6.0-6.2, where it runs at 5.75; an exploration's first step priced it)."""
+        after a change of K (``switched``) moves nothing: it runs on the caches the other K left, so its time is
+        the change's, and an exploration's first step would price its K too dear."""
         costs = self.step_seconds.get(bucket)
         if costs is None or k not in costs:
             return

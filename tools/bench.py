@@ -11,7 +11,7 @@ four per slot; batch size ``b`` means at most ``b`` running at once, a finished 
 take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round, and all
 generate the same tokens. Rounds repeat the whole set; figures are medians over rounds. By default there are as
 many rounds as contenders, so each runs once in every place of the order (at batch 4 and above a round is one
-chunk: over 2 rounds adaptive K ran right after K = 3 both times, 0.89x it; over 5, 1.02x). Every request runs to
+chunk: with fewer rounds a contender can run after the same neighbour every time). Every request runs to
 ``--max-tokens``, so plain decoding's requests, admitted together, advance in lockstep; ``--length-spread S``
 draws each request's budget from ``max-tokens ± S`` instead (the same for every contender), so that requests end
 apart with or without drafts, as real traffic's do (``make bench-mixed``).
@@ -462,8 +462,9 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
              f"{meta['machine']}; torch {meta['torch']}; {meta.get('dtype', 'float32')}; greedy, {meta['requests']} "
              f"held-out prompts cycled to 4 requests per slot (at least one each), {meta['max_tokens']}{spread} tokens "
              f"each, continuous batching, max_model_len {MAX_MODEL_LEN}, inductor, fused one-graph step; medians of "
-             f"{meta['rounds']} rounds, contenders interleaved (× no-spec: the median of each round's ratio). Command: `{meta['command']}`. Warm-up "
-             f"{meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} graphs).", "",
+             f"{meta['rounds']} rounds, contenders interleaved (× no-spec: the median of each round's ratio). "
+             f"Command: `{meta['command']}`. Warm-up {meta['warmup_seconds']:.0f} s ({meta['graphs_compiled']} "
+             "graphs).", "",
              "## End to end", "",
              "| batch | contender | tokens/s | × no-spec | tokens / request-step | limit | efficiency | K run "
              "(steps) | same tokens |", "|---|---|---|---|---|---|---|---|---|"]
