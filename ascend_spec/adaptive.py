@@ -11,7 +11,8 @@ minutes on shared CPUs; the host's share) is followed by the running K: each of 
 scales the whole bucket's figures, so K values that are not running do not keep stale, optimistic warm-up figures
 (which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
 What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
-steps at another K, each K in turn (the first step drafts, the second verifies), and that K's own figure moves.
+steps at another K, each K in turn (the first step drafts, the second verifies), and the second moves that K's
+own figure.
 Only an exploration moves one K's own figure: a K that runs for any other reason (K_max while acceptance is
 learned) is what runs, and scales every figure. Counted as explorations, the learning steps at the start of a
 run, short contexts, priced K = 3 at 2.1 plain steps against figures of the last run's long contexts (batch 16,
@@ -48,6 +49,7 @@ many rows); acceptance is a recent window (``k_policy.ACCEPTANCE_WINDOW``), so a
 not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
 A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them); they
 are timed apart, per bucket, as what a change costs: explorations are spaced and a running K's margin widened by it.
+The step itself, run on the caches the other K left, moves no figure (``AdaptiveK.observe``).
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ EXPLORE_ROW_STEPS = 16
 EXPLORE_STEPS = 2
 #: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
 COST_SMOOTHING = 0.2
-#: weight of an exploration step (another K, measured two steps in EXPLORE_EVERY): a warm-up figure that was off
+#: weight of an exploration step (another K, measured one step in EXPLORE_EVERY): a warm-up figure that was off
 #: must not take many explorations to correct
 EXPLORE_SMOOTHING = 0.5
 #: a step's time counts at most this multiple of its K's running cost: one stalled step (a noisy neighbour, the
@@ -84,7 +86,7 @@ SWITCH_MARGIN = 0.05
 #: SWITCH_MARGIN (batch 8-16 on the 2-core CPU: K = 1 ran at 0.90-0.93x plain decoding, inside a 15% margin)
 STOP_MARGIN = 0.15
 #: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
-#: (plain decoding's batch of 8 prompts, 13 ms, once in 128 steps), and an explored K's two steps must not price
+#: (plain decoding's batch of 8 prompts, 13 ms, once in 128 steps), and an explored K's steps must not price
 #: it at 6 ms a step for having caught one
 BETWEEN_PRIOR_STEPS = 64
 #: first-position drafts verified (K_max running) before buckets choose their K: a request's first tokens are a

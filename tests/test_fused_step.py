@@ -186,7 +186,7 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     policy.observe(8, 2, 2.2)
     scale = 1 + COST_SMOOTHING * 0.1
     assert policy.step_seconds[8] == pytest.approx({0: scale, 1: 1.5 * scale, 2: 2.0 * scale})
-    # an explored K's step moves its own figure further (it is measured two steps in EXPLORE_EVERY)
+    # an explored K's step moves its own figure further (one counted step in EXPLORE_EVERY)
     explore(policy, 8, [0.9, 0.9], 0)
     policy.observe(8, 0, 0.9 * scale)
     assert policy.step_seconds[8][0] == pytest.approx(scale * (1 - 0.1 * EXPLORE_SMOOTHING))
