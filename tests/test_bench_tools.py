@@ -62,13 +62,30 @@ def test_bench_request_lengths_are_equal_or_spread_the_same_way_for_every_conten
 
 
 def test_bench_reports_adaptive_against_the_best_other_contender_per_batch():
-    versus = bench_module().adaptive_vs_best([
+    versus = bench_module().against_best([
         {"batch": 1, "contender": "no-spec", "vs_no_spec": 1.0}, {"batch": 1, "contender": "K=2", "vs_no_spec": 1.5},
         {"batch": 1, "contender": "adaptive", "vs_no_spec": 1.2},
         {"batch": 8, "contender": "no-spec", "vs_no_spec": 1.0}, {"batch": 8, "contender": "K=2", "vs_no_spec": 0.95},
         {"batch": 8, "contender": "adaptive", "vs_no_spec": 1.01}])
     assert [(v["batch"], v["best"]) for v in versus] == [(1, "K=2"), (8, "no-spec")]
     assert [round(v["ratio"], 3) for v in versus] == [0.8, 1.01]
+
+
+def test_bench_measures_a_twin_as_adaptive_and_never_counts_it_the_best():
+    """``--twin 2`` runs K = 2 twice: the second run is set against the best as adaptive K is (the noise floor of
+    adaptive ÷ best), and neither it nor adaptive K is ever the best another is measured against."""
+    bench = bench_module()
+    twin = bench.twin_name(2)
+    rows = [{"batch": 4, "contender": name, "vs_no_spec": v}
+            for name, v in (("no-spec", 1.0), ("K=1", 1.2), ("K=2", 1.3), (twin, 1.4), ("adaptive", 1.26))]
+    assert bench.against_best(rows) == [{"batch": 4, "best": "K=2", "ratio": pytest.approx(1.26 / 1.3)}]
+    assert bench.against_best(rows, twin) == [{"batch": 4, "best": "K=2", "ratio": pytest.approx(1.4 / 1.3)}]
+
+
+def test_bench_twin_must_be_one_of_the_fixed_ks():
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--ks", "1", "2", "--twin", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--twin: one of --ks [1, 2] (got 3)" in proc.stderr
 
 
 def test_bench_sets_each_round_against_no_specs_run_of_the_same_round():
@@ -78,6 +95,6 @@ def test_bench_sets_each_round_against_no_specs_run_of_the_same_round():
     tally = lambda rate: bench.Tally(tokens=int(rate), seconds=1.0)  # noqa: E731
     base = [tally(r) for r in (100, 300, 310)]
     runs = [tally(r) for r in (95, 105, 294.5)]
-    assert bench.vs_no_spec(runs, base) == pytest.approx(0.95, abs=0.01)
+    assert bench.per_round_ratio(runs, base) == pytest.approx(0.95, abs=0.01)
     with pytest.raises(ValueError):
-        bench.vs_no_spec(runs[:2], base)
+        bench.per_round_ratio(runs[:2], base)

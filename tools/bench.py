@@ -14,7 +14,8 @@ many rounds as contenders, so each runs once in every place of the order (at bat
 chunk: with fewer rounds a contender can run after the same neighbour every time). Every request runs to
 ``--max-tokens``, so plain decoding's requests, admitted together, advance in lockstep; ``--length-spread S``
 draws each request's budget from ``max-tokens ± S`` instead (the same for every contender), so that requests end
-apart with or without drafts, as real traffic's do (``make bench-mixed``).
+apart with or without drafts, as real traffic's do (``make bench-mixed``). ``--twin K`` runs fixed K a second
+time as one more contender: measured against the best as adaptive K is, it shows the noise floor of that figure.
 
 The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
@@ -139,10 +140,10 @@ class Tally:
         return rates
 
 
-def vs_no_spec(runs: list[Tally], base: list[Tally]) -> float:
-    """A contender's tokens/s over no-spec's: each round's ratio to no-spec's run of that round, then the median.
-    The machine's speed drifts between rounds (by 1.5x within one bench), and a contender's neighbours in time
-    share its speed; a ratio of medians would set one round's run against another's."""
+def per_round_ratio(runs: list[Tally], base: list[Tally]) -> float:
+    """A contender's tokens/s over another's (no-spec's, for × no-spec): each round's ratio to the other's run of
+    that round, then the median. The machine's speed drifts between rounds (by 1.5x within one bench), and a
+    contender's neighbours in time share its speed; a ratio of medians would set one round's run against another's."""
     return statistics.median(t.tokens_per_s / n.tokens_per_s for t, n in zip(runs, base, strict=True))
 
 
@@ -286,11 +287,16 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the checkpoint's)")
     ap.add_argument("--prefill-widths", type=int, nargs="*", default=None,
                     help="torchair_graph_config.prefill_query_widths (default the config's; none: eager prompts)")
+    ap.add_argument("--twin", type=int, default=None, metavar="K",
+                    help="run fixed K (one of --ks) as a second contender too: what two identical contenders come "
+                         "to against each other, and against the best, is the noise floor of adaptive ÷ best")
     ap.add_argument("--no-account", dest="account", action="store_false",
                     help="end-to-end contenders only: skip the step-time account (its runs take as long again)")
     args = ap.parse_args()
     if min(args.ks) < 1:
         ap.error("--ks: speculative K values >= 1 (the no-spec baseline always runs)")
+    if args.twin is not None and args.twin not in args.ks:
+        ap.error(f"--twin: one of --ks {args.ks} (got {args.twin})")
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds: at least 1 (got {args.rounds})")
     torch.manual_seed(0)
@@ -310,7 +316,8 @@ def main() -> None:
     report = eng.warmup(progress=True)
     warmup_s = time.perf_counter() - t0
     warm_costs = {b: dict(c) for b, c in eng.step_seconds.items()}  # the runs move the policy's figures
-    contenders: dict[str, int | None] = {"no-spec": 0, **{f"K={k}": k for k in args.ks}, "adaptive": None}
+    contenders: dict[str, int | None] = {"no-spec": 0, **{f"K={k}": k for k in args.ks},
+                                         **({twin_name(args.twin): args.twin} if args.twin else {}), "adaptive": None}
     if args.rounds is None:
         args.rounds = len(contenders)
 
@@ -338,7 +345,7 @@ def main() -> None:
             ts = runs[(b, name)]
             last = ts[-1]
             rate = statistics.median(t.tokens_per_s for t in ts)
-            speedup = vs_no_spec(ts, base)
+            speedup = per_round_ratio(ts, base)
             row = {"batch": b, "contender": name, "tokens_per_s": rate, "vs_no_spec": speedup,
                    "speedup": speedup if sound else None,
                    "tokens_per_request_step": last.tokens_per_request_step,
@@ -351,9 +358,17 @@ def main() -> None:
                 limit = speedup_limit({0: one_token, k: graph_ms_per_step(ts)}, last.acceptance(), k)
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
-    for row in adaptive_vs_best(rows):
+    for row in against_best(rows):
         print(f"batch {row['batch']}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']})",
               flush=True)
+    twins = []
+    if args.twin:
+        name, original = twin_name(args.twin), f"K={args.twin}"
+        for row in against_best(rows, name):
+            b = row["batch"]
+            twins.append({**row, "twin": name, "vs_original": per_round_ratio(runs[(b, name)], runs[(b, original)])})
+            print(f"batch {b}: {name} {twins[-1]['vs_original']:.2f}x {original}, {row['ratio']:.2f}x the best "
+                  f"({row['best']})", flush=True)
     isa = torch.backends.cpu.get_cpu_capability()
     machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
                else f"{platform.machine()} ({isa}), {torch.get_num_threads()} threads")
@@ -361,7 +376,7 @@ def main() -> None:
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
             "length_spread": args.length_spread,
-            "rounds": args.rounds, "requests": len(prompts), "warmup_seconds": warmup_s,
+            "rounds": args.rounds, "requests": len(prompts), "twin": args.twin, "warmup_seconds": warmup_s,
             "graphs_compiled": report.graphs_compiled, "step_seconds_at_warmup": warm_costs,
             "step_seconds_at_end": eng.step_seconds,
             "command": "python tools/bench.py"
@@ -369,9 +384,10 @@ def main() -> None:
                        + " --batches " + " ".join(map(str, args.batches)) + " --ks "
                        + " ".join(map(str, args.ks)) + f" --max-tokens {args.max_tokens} --rounds {args.rounds}"
                        + (f" --length-spread {args.length_spread}" if args.length_spread else "")
+                       + (f" --twin {args.twin}" if args.twin else "")
                        + ("" if args.device == "cpu" else f" --device {args.device}")
                        + (f" --dtype {args.dtype}" if args.dtype else "")}
-    write_report(args.out, rows, list(accounts.values()), meta)
+    write_report(args.out, rows, list(accounts.values()), meta, twins)
     print(f"wrote {args.out}/results.md and plots")
 
 
@@ -379,16 +395,27 @@ def main() -> None:
 ADAPTIVE_GOAL = 0.97
 
 
-def adaptive_vs_best(rows: list[dict]) -> list[dict]:
-    """Per batch: adaptive K's tokens/s over the best other contender's (no-spec or a fixed K), each taken as its
-    median ratio to no-spec's run of the same round; needs no sound baseline (a ratio of tokens/s)."""
+#: what ``--twin K`` names its second run of fixed K
+TWIN_SUFFIX = " again"
+
+
+def twin_name(k: int) -> str:
+    return f"K={k}{TWIN_SUFFIX}"
+
+
+def against_best(rows: list[dict], contender: str = "adaptive") -> list[dict]:
+    """Per batch: ``contender``'s tokens/s over the best other contender's (no-spec or a fixed K; adaptive and a
+    twin are never the best), each taken as its median ratio to no-spec's run of the same round; needs no sound
+    baseline (a ratio of tokens/s). A twin measured so shows what the machine's noise and picking the best of
+    several noisy contenders make of a contender that is one of them."""
     out = []
     for b in sorted({r["batch"] for r in rows}):
         cell = {r["contender"]: r["vs_no_spec"] for r in rows if r["batch"] == b}
-        if "adaptive" not in cell or len(cell) < 2:
+        others = [n for n in cell if n not in (contender, "adaptive") and not n.endswith(TWIN_SUFFIX)]
+        if contender not in cell or not others:
             continue
-        best = max((n for n in cell if n != "adaptive"), key=cell.__getitem__)
-        out.append({"batch": b, "best": best, "ratio": cell["adaptive"] / cell[best]})
+        best = max(others, key=cell.__getitem__)
+        out.append({"batch": b, "best": best, "ratio": cell[contender] / cell[best]})
     return out
 
 
@@ -418,7 +445,7 @@ def plot_account(out: Path, batches: list[int], accounts: list[dict]) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) -> None:
+def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, twins: list[dict] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -427,7 +454,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     out.mkdir(parents=True, exist_ok=True)
     batches = sorted({r["batch"] for r in rows})
     names = [n for n in dict.fromkeys(r["contender"] for r in rows) if n != "no-spec"]
-    versus = adaptive_vs_best(rows)
+    versus = against_best(rows)
     fig, (ax, vs_ax) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for name in names:
         pts = [(b, r["speedup"]) for b in batches for r in rows
@@ -444,6 +471,9 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     vs_ax.bar([str(v["batch"]) for v in versus], [v["ratio"] for v in versus], color="tab:purple")
     for i, v in enumerate(versus):
         vs_ax.annotate(v["best"], (i, v["ratio"]), ha="center", va="bottom", fontsize=7)
+    if twins:
+        vs_ax.plot([str(t["batch"]) for t in twins], [t["ratio"] for t in twins], "k_", markersize=18,
+                   label=f"{twins[0]['twin']} ÷ best (noise floor)")
     vs_ax.axhline(ADAPTIVE_GOAL, color="grey", linestyle="--", linewidth=1, label=f"goal {ADAPTIVE_GOAL}")
     vs_ax.set(xlabel="batch size", ylabel="adaptive ÷ best other contender (×)", title="Does the default lose?")
     vs_ax.set_ylim(0, max([1.1, *(1.1 * v["ratio"] for v in versus)]))
@@ -482,6 +512,13 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
                   f"figures over each other (goal ≥ {ADAPTIVE_GOAL}):", "",
                   "| batch | best other | adaptive ÷ best |", "|---|---|---|"]
         lines += [f"| {v['batch']} | {v['best']} | {v['ratio']:.2f} |" for v in versus]
+    if twins:
+        name, original = twins[0]["twin"], twins[0]["twin"].removesuffix(TWIN_SUFFIX)
+        lines += ["", f"The noise floor: {original} ran twice, as two contenders ({name}). Measured as adaptive is, "
+                  f"{name} ÷ best shows what noise and picking the best of several noisy contenders make of a "
+                  "contender no worse than one of them:", "",
+                  f"| batch | {name} ÷ {original} | best other | {name} ÷ best |", "|---|---|---|---|"]
+        lines += [f"| {t['batch']} | {t['vs_original']:.2f} | {t['best']} | {t['ratio']:.2f} |" for t in twins]
     unsound = sorted({r["batch"] for r in rows if not r["baseline_sound"]})
     if unsound:
         lines += ["", f"Speed-ups withheld at batch {unsound}: the no-spec wall time per step strays more than "
@@ -493,7 +530,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict) 
     lines += ["", "![speed-up](speedup.png)", ""] + (["![step account](step_account.png)", ""] if accounts else [])
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts,
-                                                  "adaptive_vs_best": versus},
+                                                  "adaptive_vs_best": versus, "twin": list(twins)},
                                                  indent=2, default=str) + "\n")
 
 
