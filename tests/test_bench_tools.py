@@ -82,6 +82,16 @@ def test_bench_measures_a_twin_as_adaptive_and_never_counts_it_the_best():
     assert bench.against_best(rows, twin) == [{"batch": 4, "best": "K=2", "ratio": pytest.approx(1.4 / 1.3)}]
 
 
+def test_bench_sums_up_the_cells_as_geometric_means():
+    bench = bench_module()
+    versus = [{"batch": 1, "best": "K=1", "ratio": 0.9}, {"batch": 8, "best": "no-spec", "ratio": 1.1}]
+    twins = [{**v, "twin": "K=2 again", "vs_original": r} for v, r in zip(versus, (0.8, 1.25))]
+    assert bench.summary_lines(versus, twins) == [
+        "over batches 1, 8: adaptive 0.995x the best other contender (geometric mean)",
+        "over batches 1, 8: K=2 again 0.995x the best, 1.000x itself (geometric means)"]
+    assert bench.summary_lines(versus[:1], twins[:1]) == []
+
+
 def test_bench_twin_must_be_one_of_the_fixed_ks():
     proc = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--ks", "1", "2", "--twin", "3"],
                           capture_output=True, text=True, timeout=120)

@@ -369,6 +369,8 @@ def main() -> None:
             twins.append({**row, "twin": name, "vs_original": per_round_ratio(runs[(b, name)], runs[(b, original)])})
             print(f"batch {b}: {name} {twins[-1]['vs_original']:.2f}x {original}, {row['ratio']:.2f}x the best "
                   f"({row['best']})", flush=True)
+    for line in summary_lines(against_best(rows), twins):
+        print(line, flush=True)
     isa = torch.backends.cpu.get_cpu_capability()
     machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
                else f"{platform.machine()} ({isa}), {torch.get_num_threads()} threads")
@@ -417,6 +419,21 @@ def against_best(rows: list[dict], contender: str = "adaptive") -> list[dict]:
         best = max(others, key=cell.__getitem__)
         out.append({"batch": b, "best": best, "ratio": cell[contender] / cell[best]})
     return out
+
+
+def summary_lines(versus: list[dict], twins: list[dict]) -> list[str]:
+    """Geometric means over the batches: one cell's ratio errs by more than a cell's goal on a noisy machine, a
+    mean over several cells by less; the twin's show what the same noise and the pick of the best make of a
+    contender that is one of the others."""
+    if len(versus) < 2:
+        return []
+    mean = lambda rows, key="ratio": statistics.geometric_mean(r[key] for r in rows)  # noqa: E731
+    lines = [f"over batches {', '.join(str(v['batch']) for v in versus)}: adaptive {mean(versus):.3f}x the best "
+             "other contender (geometric mean)"]
+    if len(twins) > 1:
+        lines.append(f"over batches {', '.join(str(t['batch']) for t in twins)}: {twins[0]['twin']} "
+                     f"{mean(twins):.3f}x the best, {mean(twins, 'vs_original'):.3f}x itself (geometric means)")
+    return lines
 
 
 def plot_account(out: Path, batches: list[int], accounts: list[dict]) -> None:
@@ -519,6 +536,8 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
                   "contender no worse than one of them:", "",
                   f"| batch | {name} ÷ {original} | best other | {name} ÷ best |", "|---|---|---|---|"]
         lines += [f"| {t['batch']} | {t['vs_original']:.2f} | {t['best']} | {t['ratio']:.2f} |" for t in twins]
+    if len(versus) > 1:
+        lines += [""] + [f"{line[0].upper()}{line[1:]}." for line in summary_lines(versus, twins)]
     unsound = sorted({r["batch"] for r in rows if not r["baseline_sound"]})
     if unsound:
         lines += ["", f"Speed-ups withheld at batch {unsound}: the no-spec wall time per step strays more than "
