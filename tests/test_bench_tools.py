@@ -1,6 +1,7 @@
 """The micro-benchmarks in tools/ still run against today's modules (one of them had lost an import it needed)."""
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,24 @@ def test_bench_moe_runs_a_shape():
     assert any(r[:3] == ["16", "2", "2"] for r in rows), rows
 
 
-def bench_module():
+def tool_module(name: str):
     sys.path.insert(0, str(TOOLS))
     try:
-        import bench
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(TOOLS))
-    return bench
+
+
+def bench_module():
+    return tool_module("bench")
+
+
+def test_probe_splits_steps_into_runs_of_one_k_at_each_change():
+    """``probe_k_switch.py --after-change`` times the first steps after each change of K: a run starts where K
+    changes or the runner flags a switch (the same K rebuilt after another between two observed steps)."""
+    steps = [(1, 1.0, False), (1, 1.1, False), (2, 2.0, True), (2, 2.1, False), (2, 2.2, True), (0, 0.5, True)]
+    assert tool_module("probe_k_switch").runs_of_k(steps) == [(1, [1.0, 1.1]), (2, [2.0, 2.1]), (2, [2.2]),
+                                                              (0, [0.5])]
 
 
 def test_bench_rotates_the_contenders_so_each_runs_once_in_every_place():

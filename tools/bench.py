@@ -487,7 +487,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
     ax.grid(alpha=0.3)
     vs_ax.bar([str(v["batch"]) for v in versus], [v["ratio"] for v in versus], color="tab:purple")
     for i, v in enumerate(versus):
-        vs_ax.annotate(v["best"], (i, v["ratio"]), ha="center", va="bottom", fontsize=7)
+        vs_ax.annotate(f"best: {v['best']}", (i, 0.02), ha="center", va="bottom", fontsize=7, color="white")
     if twins:
         vs_ax.plot([str(t["batch"]) for t in twins], [t["ratio"] for t in twins], "k_", markersize=18,
                    label=f"{twins[0]['twin']} ÷ best (noise floor)")

@@ -11,6 +11,10 @@ new root of the CUDA graph tree, so replaying another K's graph never leaves a r
 scenario: tokens/s, ms per step, and the CUDA graph tree's recordings and allocator checkpoints during the run
 (counted by wrapping its manager's methods; 0 on CPU). A last run replays the K = 2 steps under
 ``torch.cuda.set_sync_debug_mode("error")`` around each step's graph call: a replay that synchronises raises.
+
+``--after-change BLOCK`` asks instead what a step costs right after a change of K, on any device: blocks of BLOCK
+steps at K = 0..K_max in turn, and per K its first, second and third step of a block over the median of the rest
+of that block (adaptive K prices a K it explores on the second step of an exploration).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Callable, Iterator
 
 import torch
@@ -92,6 +96,39 @@ def run(eng: Engine, prompts: list[list[int]], max_tokens: int, k_of_step: Calla
     return tokens / seconds, 1000 * seconds / max(stats.num_steps, 1), stats.num_steps, events
 
 
+def runs_of_k(steps: list[tuple[int, float, bool]]) -> list[tuple[int, list[float]]]:
+    """``(k, seconds, switched)`` per step → each run of steps at one K, from a change of K to the next."""
+    runs: list[tuple[int, list[float]]] = []
+    for k, seconds, switched in steps:
+        if switched or not runs or runs[-1][0] != k:
+            runs.append((k, []))
+        runs[-1][1].append(seconds)
+    return runs
+
+
+def after_change(eng: Engine, prompts: list[list[int]], max_tokens: int, block: int,
+                 rounds: int) -> dict[int, dict[str, float]]:
+    """Per K: the median over blocks of its first, second and third step's time over the median of the rest of
+    its block (blocks of ``block`` steps at K = 0..K_max in turn)."""
+    ks = list(range(eng.k_max + 1))
+    policy = eng.runner.k_policy
+    ratios: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for _ in range(rounds):
+        steps: list[tuple[int, float, bool]] = []
+        policy.observe = lambda bucket, k, seconds, between, switched=False: steps.append((k, seconds, switched))
+        try:
+            run(eng, prompts, max_tokens, lambda i: ks[(i // block) % len(ks)], mark_step=False)
+        finally:
+            del policy.observe
+        for k, times in runs_of_k(steps):
+            if len(times) > 4:
+                rest = statistics.median(times[3:])
+                for name, t in zip(("first", "second", "third"), times):
+                    ratios[k][name].append(t / rest)
+    return {k: {name: statistics.median(v) for name, v in r.items()} | {"blocks": len(r["first"])}
+            for k, r in sorted(ratios.items())}
+
+
 class SyncChecked:
     """The runner's step graphs, each call under ``set_sync_debug_mode("error")``."""
 
@@ -116,11 +153,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--k-max", type=int, default=2)
+    ap.add_argument("--after-change", type=int, default=None, metavar="BLOCK",
+                    help="time the steps after each change of K instead (blocks of BLOCK >= 6 steps per K)")
     args = ap.parse_args()
+    if args.after_change is not None and args.after_change < 6:
+        ap.error(f"--after-change: blocks of at least 6 steps (got {args.after_change})")
     model = load_model(args.model, device=args.device)
     tok = TextTokenizer(args.model)
     prompts = [tok.encode(p) for p in (PROMPTS * 4)[: 2 * args.batch]]
-    cfg = EngineConfig(max_model_len=256, max_num_seqs=args.batch, speculative=SpeculativeConfig(num_speculative_tokens=2),
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=args.batch,
+                       speculative=SpeculativeConfig(num_speculative_tokens=args.k_max),
                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(args.batch,)), adaptive_k=True)
     eng = Engine(model, cfg, device=args.device)
     eng.eos_token_id = None
@@ -129,6 +172,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name() if eng.device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"batch {args.batch}, {len(prompts)} requests x {args.max_tokens} tokens; warm-up {time.perf_counter() - t0:.0f} s",
           flush=True)
+    if args.after_change is not None:
+        print("| K | first | second | third | blocks |\n|---|---|---|---|---|")
+        for k, r in after_change(eng, prompts, args.max_tokens, args.after_change, args.rounds).items():
+            print(f"| {k} | {r['first']:.3f} | {r['second']:.3f} | {r['third']:.3f} | {r['blocks']} |", flush=True)
+        return
     results: dict[tuple[str, bool], list[tuple]] = {}
     for r in range(args.rounds):
         for name, k_of_step in SCENARIOS.items():
