@@ -462,7 +462,8 @@ def plot_account(out: Path, batches: list[int], accounts: list[dict]) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, twins: list[dict] = ()) -> None:
+def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
+                 twins: list[dict] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -471,7 +472,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
     out.mkdir(parents=True, exist_ok=True)
     batches = sorted({r["batch"] for r in rows})
     names = [n for n in dict.fromkeys(r["contender"] for r in rows) if n != "no-spec"]
-    versus = against_best(rows)
+    versus, twins = against_best(rows), twins or []
     fig, (ax, vs_ax) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for name in names:
         pts = [(b, r["speedup"]) for b in batches for r in rows
@@ -549,7 +550,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
     lines += ["", "![speed-up](speedup.png)", ""] + (["![step account](step_account.png)", ""] if accounts else [])
     (out / "results.md").write_text("\n".join(lines))
     (out / "results.json").write_text(json.dumps({"meta": meta, "end_to_end": rows, "accounts": accounts,
-                                                  "adaptive_vs_best": versus, "twin": list(twins)},
+                                                  "adaptive_vs_best": versus, "twin": twins},
                                                  indent=2, default=str) + "\n")
 
 
