@@ -358,7 +358,8 @@ def main() -> None:
                 limit = speedup_limit({0: one_token, k: graph_ms_per_step(ts)}, last.acceptance(), k)
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
-    for row in against_best(rows):
+    versus = against_best(rows)
+    for row in versus:
         print(f"batch {row['batch']}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']})",
               flush=True)
     twins = []
@@ -369,7 +370,7 @@ def main() -> None:
             twins.append({**row, "twin": name, "vs_original": per_round_ratio(runs[(b, name)], runs[(b, original)])})
             print(f"batch {b}: {name} {twins[-1]['vs_original']:.2f}x {original}, {row['ratio']:.2f}x the best "
                   f"({row['best']})", flush=True)
-    for line in summary_lines(against_best(rows), twins):
+    for line in summary_lines(versus, twins):
         print(line, flush=True)
     isa = torch.backends.cpu.get_cpu_capability()
     machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
