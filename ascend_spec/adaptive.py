@@ -12,7 +12,7 @@ scales the whole bucket's figures, so K values that are not running do not keep 
 (which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
 What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
 steps at another K, each K in turn (the first step drafts, the second verifies), and the second moves that K's
-own figure.
+own figure: the first such step replaces its warm-up figure, later ones are averaged (``EXPLORE_SMOOTHING``).
 Only an exploration moves one K's own figure: a K that runs for any other reason (K_max while acceptance is
 learned) is what runs, and scales every figure. Counted as explorations, the learning steps at the start of a
 run, short contexts, priced K = 3 at 2.1 plain steps against figures of the last run's long contexts (batch 16,
@@ -69,9 +69,10 @@ EXPLORE_ROW_STEPS = 16
 EXPLORE_STEPS = 2
 #: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
 COST_SMOOTHING = 0.2
-#: weight of an exploration step (another K, measured one step in EXPLORE_EVERY): a warm-up figure that was off
-#: must not take many explorations to correct
-EXPLORE_SMOOTHING = 0.5
+#: weight of an exploration step (another K, measured one step in EXPLORE_EVERY) once its K has been measured a few
+#: times: a K's n-th measured step weighs 1/n down to this, so its first replaces the warm-up figure (inert batch,
+#: short context: off by up to 18% at batch 4) and later ones average out one step's noise instead of following it
+EXPLORE_SMOOTHING = 0.2
 #: a step's time counts at most this multiple of its K's running cost: one stalled step (a noisy neighbour, the
 #: allocator) must not move a bucket's figures far
 OBSERVE_CLIP = 1.5
@@ -187,6 +188,8 @@ class AdaptiveK:
     #: and those steps' count
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: steps that measured each K's own figure per bucket (explored, or running): an explored K's weight
+    measured: dict[int, dict[int, int]] = field(default_factory=dict)
     #: seconds a change of K costs per bucket (the batch rebuilt, the MTP catch-up out of K = 0): a running figure
     switch_seconds: dict[int, float] = field(default_factory=dict)
     #: K values whose figures are interpolated (their graphs deferred at start-up): never explored; the runner
@@ -256,9 +259,11 @@ class AdaptiveK:
             sums[k] = sums.get(k, 0.0) + between
             steps[k] = steps.get(k, 0) + 1
         seen = min(seconds, OBSERVE_CLIP * costs[k])
+        measured = self.measured.setdefault(bucket, {})
+        measured[k] = measured.get(k, 0) + 1
         if k != self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
             scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
             for j in costs:
                 costs[j] *= scale
         else:
-            costs[k] += EXPLORE_SMOOTHING * (seen - costs[k])
+            costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])

@@ -163,13 +163,12 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
     assert ks[first: first + EXPLORE_STEPS] == [ks[first]] * EXPLORE_STEPS
     assert speedup_limit(policy.step_seconds[1], good, 2) == pytest.approx((1 + 0.8 + 0.8 * 0.7) / 1.2)
     # an explored K's own figure moves: a warm-up figure that was too high does not rule K out for good
-    for _ in range(3):
-        explore(policy, 8, poor, 1)
-        policy.observe(8, 1, 1.05)
-    assert policy.step_seconds[8][1] == pytest.approx(1.05 + 0.85 * (1 - EXPLORE_SMOOTHING) ** 3)
+    explore(policy, 8, poor, 1)
+    policy.observe(8, 1, 1.05)
+    assert policy.step_seconds[8][1] == pytest.approx(1.05)
     assert policy.step_seconds[8][0] == 1.0 and policy.step_seconds[8][2] == 2.8  # the others' stay
     policy.k_for(8, poor)
-    assert policy.chosen[8] == 1  # 1.3 tokens for 1.16: K = 1 runs now
+    assert policy.chosen[8] == 1  # 1.3 tokens for 1.05: K = 1 runs now
 
 
 def explore(policy: AdaptiveK, bucket: int, acceptance: list[float], k: int) -> None:
@@ -189,7 +188,7 @@ def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded
     # an explored K's step moves its own figure further (one counted step in EXPLORE_EVERY)
     explore(policy, 8, [0.9, 0.9], 0)
     policy.observe(8, 0, 0.9 * scale)
-    assert policy.step_seconds[8][0] == pytest.approx(scale * (1 - 0.1 * EXPLORE_SMOOTHING))
+    assert policy.step_seconds[8][0] == pytest.approx(0.9 * scale)  # its first measured step replaces warm-up's
     # one slow step (the machine stalled) moves the figures by a bounded step, not by the spike
     before = dict(policy.step_seconds[8])
     policy.observe(8, 2, 50 * before[2])
@@ -206,12 +205,39 @@ def test_the_first_step_after_a_change_of_k_moves_no_figure():
     assert policy.step_seconds[8] == {0: 1.0, 1: 1.5, 2: 2.0}
     assert policy.k_for(8, [0.9, 0.9]) == 0  # the exploration's second step
     policy.observe(8, 0, 0.9)
-    assert policy.step_seconds[8] == pytest.approx({0: 1.0 - 0.1 * EXPLORE_SMOOTHING, 1: 1.5, 2: 2.0})
+    assert policy.step_seconds[8] == pytest.approx({0: 0.9, 1: 1.5, 2: 2.0})
     assert policy.k_for(8, [0.9, 0.9]) == 2
     policy.observe(8, 2, 4.0, switched=True)  # back at the running K: its first step scales nothing either
-    assert policy.step_seconds[8] == pytest.approx({0: 1.0 - 0.1 * EXPLORE_SMOOTHING, 1: 1.5, 2: 2.0})
+    assert policy.step_seconds[8] == pytest.approx({0: 0.9, 1: 1.5, 2: 2.0})
     policy.observe(8, 2, 2.2)
     assert policy.step_seconds[8][2] == pytest.approx(2.0 * (1 + COST_SMOOTHING * 0.1))
+
+
+def test_explored_figures_replace_warm_up_then_average_their_steps():
+    """An explored K's first measured step replaces its warm-up figure (an inert batch at a short context); later
+    ones weigh 1/n down to ``EXPLORE_SMOOTHING``, so one step's noise does not set the figure; a K that ran was
+    measured on every step and weighs the floor at once."""
+    policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 3.0, 2: 2.0}}, chosen={8: 2})  # K = 1 never pays
+    samples = [2.6, 3.0, 2.4, 2.8]
+    for n, seconds in enumerate(samples, 1):
+        explore(policy, 8, [0.9, 0.9], 1)
+        policy.observe(8, 1, seconds)
+        assert policy.step_seconds[8][1] == pytest.approx(sum(samples[:n]) / n)  # the mean of its steps
+    floor = 1 / EXPLORE_SMOOTHING
+    for _ in range(int(floor) - len(samples)):
+        explore(policy, 8, [0.9, 0.9], 1)
+        policy.observe(8, 1, 2.7)
+    explore(policy, 8, [0.9, 0.9], 1)
+    policy.observe(8, 1, 2.7 + 0.5)  # one noisy step moves the figure by its floor's share of the difference
+    assert policy.step_seconds[8][1] == pytest.approx(2.7 + 0.5 * EXPLORE_SMOOTHING)
+    for _ in range(3):  # K = 2 runs: measured on each of its steps
+        policy.observe(8, 2, 2.0)
+    poor = [0.1, 0.1]
+    assert policy.k_for(8, poor) == 0  # drafts stop paying: K = 0 runs, K = 2 is explored from now on
+    explore(policy, 8, poor, 2)
+    two = policy.step_seconds[8][2]
+    policy.observe(8, 2, two + 0.5)
+    assert policy.step_seconds[8][2] == pytest.approx(two + 0.5 / 4)  # its fourth measured step
 
 
 def test_a_k_that_runs_but_is_not_explored_scales_every_figure():
