@@ -94,6 +94,24 @@ def test_bench_measures_a_twin_as_adaptive_and_never_counts_it_the_best():
     assert bench.against_best(rows, twin) == [{"batch": 4, "best": "K=2", "ratio": pytest.approx(1.4 / 1.3)}]
 
 
+def test_bench_prices_adaptive_ks_choices_at_the_fixed_runs_rates():
+    """Adaptive K's mix of K priced at each K's fixed run of the same round (tokens and seconds per step), over the
+    best's tokens/s, median of rounds: its choices without its own run's noise."""
+    bench = bench_module()
+    tally = lambda tokens, seconds, steps, per_k=None: bench.Tally(  # noqa: E731
+        tokens=tokens, seconds=seconds, steps=steps, steps_per_k=per_k or {})
+    fixed = {0: tally(100, 1.0, 100), 1: tally(180, 1.5, 100), 2: tally(240, 2.0, 100)}  # 100, 120, 120 tok/s
+    mixed = tally(0, 1.0, 40, {1: 30, 0: 10})
+    # 30 K = 1 steps (54 tokens in 0.45 s) and 10 plain ones (10 in 0.1 s): 64 / 0.55
+    assert bench.priced_mix(mixed, fixed) == pytest.approx(64 / 0.55)
+    assert bench.priced_mix(tally(0, 1.0, 5, {3: 5}), fixed) is None  # a K no fixed run measured
+    slower = {k: tally(t.tokens, 2 * t.seconds, t.steps) for k, t in fixed.items()}  # a round at half speed
+    rounds = [mixed, mixed, tally(0, 1.0, 10, {2: 10})]
+    ratio = bench.choices_vs_best(rounds, {k: [fixed[k], slower[k], slower[k]] for k in fixed},
+                                  [fixed[1], slower[1], slower[1]])
+    assert ratio == pytest.approx(64 / 0.55 / 120)  # each round against its own best: 0.97, 0.97, 1.0
+
+
 def test_bench_sums_up_the_cells_as_geometric_means():
     bench = bench_module()
     versus = [{"batch": 1, "best": "K=1", "ratio": 0.9}, {"batch": 8, "best": "no-spec", "ratio": 1.1}]
@@ -102,6 +120,9 @@ def test_bench_sums_up_the_cells_as_geometric_means():
         "over batches 1, 8: adaptive 0.995x the best other contender (geometric mean)",
         "over batches 1, 8: K=2 again 0.995x the best, 1.000x itself (geometric means)"]
     assert bench.summary_lines(versus[:1], twins[:1]) == []
+    priced = [{**v, "choices": c} for v, c in zip(versus, (0.81, 1.0))]
+    assert bench.summary_lines(priced, [])[1] == (
+        "over batches 1, 8: adaptive's choices, priced at the fixed runs' rates, 0.900x the best (geometric mean)")
 
 
 def test_bench_twin_must_be_one_of_the_fixed_ks():

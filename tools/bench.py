@@ -359,9 +359,13 @@ def main() -> None:
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
     versus = against_best(rows)
+    fixed = {0: "no-spec", **{k: f"K={k}" for k in args.ks}}
     for row in versus:
-        print(f"batch {row['batch']}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']})",
-              flush=True)
+        b = row["batch"]
+        row["choices"] = choices_vs_best(runs[(b, "adaptive")], {k: runs[(b, n)] for k, n in fixed.items()},
+                                         runs[(b, row["best"])])
+        print(f"batch {b}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']}); its choices "
+              f"{fmt(row['choices'])}x", flush=True)
     twins = []
     if args.twin:
         name, original = twin_name(args.twin), f"K={args.twin}"
@@ -390,7 +394,7 @@ def main() -> None:
                        + (f" --twin {args.twin}" if args.twin else "")
                        + ("" if args.device == "cpu" else f" --device {args.device}")
                        + (f" --dtype {args.dtype}" if args.dtype else "")}
-    write_report(args.out, rows, list(accounts.values()), meta, twins)
+    write_report(args.out, rows, list(accounts.values()), meta, versus, twins)
     print(f"wrote {args.out}/results.md and plots")
 
 
@@ -422,6 +426,35 @@ def against_best(rows: list[dict], contender: str = "adaptive") -> list[dict]:
     return out
 
 
+def priced_mix(adaptive: Tally, fixed: dict[int, Tally]) -> float | None:
+    """Tokens/s adaptive K's steps would have made at the fixed runs' own rates: its steps at each K priced at the
+    tokens and seconds a step of that K's fixed run made and took (prefills and the loop included). None where it
+    ran a K no fixed run measured."""
+    ran = {k: n for k, n in adaptive.steps_per_k.items() if n}
+    if not ran or any(k not in fixed or not fixed[k].steps for k in ran):
+        return None
+    tokens = sum(n * fixed[k].tokens / fixed[k].steps for k, n in ran.items())
+    seconds = sum(n * fixed[k].seconds / fixed[k].steps for k, n in ran.items())
+    return tokens / seconds
+
+
+def choices_vs_best(adaptive: list[Tally], fixed: dict[int, list[Tally]], best: list[Tally]) -> float | None:
+    """Adaptive K's choices against the best contender: per round, its mix of K priced at that round's fixed runs
+    (``priced_mix``) over the best's tokens/s, then the median. What it chose, without what switching cost it and
+    without its own run's noise, which ``against_best`` carries (a copy of a contender came to 0.92x at 1.00x)."""
+    ratios = []
+    for r, run in enumerate(adaptive):
+        mix = priced_mix(run, {k: runs[r] for k, runs in fixed.items()})
+        if mix is None:
+            return None
+        ratios.append(mix / best[r].tokens_per_s)
+    return statistics.median(ratios)
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
 def summary_lines(versus: list[dict], twins: list[dict]) -> list[str]:
     """Geometric means over the batches: one cell's ratio errs by more than a cell's goal on a noisy machine, a
     mean over several cells by less; the twin's show what the same noise and the pick of the best make of a
@@ -431,6 +464,9 @@ def summary_lines(versus: list[dict], twins: list[dict]) -> list[str]:
     mean = lambda rows, key="ratio": statistics.geometric_mean(r[key] for r in rows)  # noqa: E731
     lines = [f"over batches {', '.join(str(v['batch']) for v in versus)}: adaptive {mean(versus):.3f}x the best "
              "other contender (geometric mean)"]
+    if all(v.get("choices") is not None for v in versus):
+        lines.append(f"over batches {', '.join(str(v['batch']) for v in versus)}: adaptive's choices, priced at the "
+                     f"fixed runs' rates, {mean(versus, 'choices'):.3f}x the best (geometric mean)")
     if len(twins) > 1:
         lines.append(f"over batches {', '.join(str(t['batch']) for t in twins)}: {twins[0]['twin']} "
                      f"{mean(twins):.3f}x the best, {mean(twins, 'vs_original'):.3f}x itself (geometric means)")
@@ -463,7 +499,7 @@ def plot_account(out: Path, batches: list[int], accounts: list[dict]) -> None:
     plt.close(fig)
 
 
-def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
+def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, versus: list[dict],
                  twins: list[dict] | None = None) -> None:
     import matplotlib
 
@@ -473,7 +509,7 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
     out.mkdir(parents=True, exist_ok=True)
     batches = sorted({r["batch"] for r in rows})
     names = [n for n in dict.fromkeys(r["contender"] for r in rows) if n != "no-spec"]
-    versus, twins = against_best(rows), twins or []
+    twins = twins or []
     fig, (ax, vs_ax) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
     for name in names:
         pts = [(b, r["speedup"]) for b in batches for r in rows
@@ -493,6 +529,10 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
     if twins:
         vs_ax.plot([str(t["batch"]) for t in twins], [t["ratio"] for t in twins], "k_", markersize=18,
                    label=f"{twins[0]['twin']} ÷ best (noise floor)")
+    chosen = [v for v in versus if v.get("choices") is not None]
+    if chosen:
+        vs_ax.plot([str(v["batch"]) for v in chosen], [v["choices"] for v in chosen], "o", color="tab:orange",
+                   label="its choices ÷ best")
     vs_ax.axhline(ADAPTIVE_GOAL, color="grey", linestyle="--", linewidth=1, label=f"goal {ADAPTIVE_GOAL}")
     vs_ax.set(xlabel="batch size", ylabel="adaptive ÷ best other contender (×)", title="Does the default lose?")
     vs_ax.set_ylim(0, max([1.1, *(1.1 * v["ratio"] for v in versus)]))
@@ -505,7 +545,6 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
     if accounts:
         plot_account(out, batches, accounts)
 
-    fmt = lambda v, spec=".2f": "—" if v is None else format(v, spec)  # noqa: E731
     spread = f" ± {meta['length_spread']}" if meta.get("length_spread") else ""
     lines = [f"# Does speculation pay? ({meta['model']})", "",
              f"{meta['machine']}; torch {meta['torch']}; {meta.get('dtype', 'float32')}; greedy, {meta['requests']} "
@@ -529,8 +568,11 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict,
     if versus:
         lines += ["", f"Adaptive K (the default) against the best other contender in each batch, their × no-spec "
                   f"figures over each other (goal ≥ {ADAPTIVE_GOAL}):", "",
-                  "| batch | best other | adaptive ÷ best |", "|---|---|---|"]
-        lines += [f"| {v['batch']} | {v['best']} | {v['ratio']:.2f} |" for v in versus]
+                  "| batch | best other | adaptive ÷ best | its choices ÷ best |", "|---|---|---|---|"]
+        lines += [f"| {v['batch']} | {v['best']} | {v['ratio']:.2f} | {fmt(v.get('choices'))} |" for v in versus]
+        lines += ["", "Its choices: the K it ran on each step priced at what a step of that K made and took in the "
+                  "same round's fixed run, over the best's tokens/s (median of rounds): what it chose, without what "
+                  "switching cost it and without its own run's noise."]
     if twins:
         name, original = twins[0]["twin"], twins[0]["twin"].removesuffix(TWIN_SUFFIX)
         lines += ["", f"The noise floor: {original} ran twice, as two contenders ({name}). Measured as adaptive is, "
