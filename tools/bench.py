@@ -441,7 +441,7 @@ def priced_mix(adaptive: Tally, fixed: dict[int, Tally]) -> float | None:
 def choices_vs_best(adaptive: list[Tally], fixed: dict[int, list[Tally]], best: list[Tally]) -> float | None:
     """Adaptive K's choices against the best contender: per round, its mix of K priced at that round's fixed runs
     (``priced_mix``) over the best's tokens/s, then the median. What it chose, without what switching cost it and
-    without its own run's noise, which ``against_best`` carries (a copy of a contender came to 0.92x at 1.00x)."""
+    without its own run's noise, which ``against_best`` carries (a copy of the best contender came to 0.92x it)."""
     ratios = []
     for r, run in enumerate(adaptive):
         mix = priced_mix(run, {k: runs[r] for k, runs in fixed.items()})
