@@ -359,7 +359,7 @@ def main() -> None:
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
     versus = against_best(rows)
-    fixed = {0: "no-spec", **{k: f"K={k}" for k in args.ks}}
+    fixed = {k: name for name, k in contenders.items() if k is not None and not name.endswith(TWIN_SUFFIX)}
     for row in versus:
         b = row["batch"]
         row["choices"] = choices_vs_best(runs[(b, "adaptive")], {k: runs[(b, n)] for k, n in fixed.items()},
