@@ -1,10 +1,10 @@
 """Standalone harness: continuous batching over a paged cache, with or without MTP speculation.
 
-Three rooms, as nano-vllm's: the engine's loop (this module) asks the scheduler (:mod:`.scheduler`: requests,
-blocks, preemption, appending tokens) whom to run, the runner (:mod:`.runner`: device batches, graphs, one
-decode step; warm-up in :mod:`.warmup`, inputs from :mod:`.inputs`) for their tokens, and hands those back to the
-scheduler. A step's K comes from one object, :class:`.k_policy.KPolicy`: the runner asks it, the scheduler's
-postprocess feeds it.
+Three rooms, as nano-vllm's, and a turn of the engine's loop (this module) is three calls: the scheduler
+(:mod:`.scheduler`: requests, blocks, preemption, appending tokens) plans whom to run (``schedule``), the runner
+(:mod:`.runner`: device batches, graphs, prefill and one decode step; warm-up in :mod:`.warmup`, inputs from
+:mod:`.inputs`) runs the plan, and the scheduler takes the tokens back (``postprocess``). A step's K comes from
+one object, :class:`.k_policy.KPolicy`: the scheduler asks it, the fused step and the postprocess feed it.
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ class Engine:
                                         dtype=self.dtype, num_blocks=cfg.kv_blocks, block_size=cfg.block_size,
                                         layout=cfg.kv_layout)
         self.blocks = BlockManager(self.caches.allocator, cfg.max_model_len, cfg.block_size)
-        self.k_policy = KPolicy(self.k_max, cfg.adaptive_k)
+        self.k_policy = KPolicy(self.k_max, cfg.adaptive_k, tuple(cfg.graph.batch_sizes(cfg.max_num_seqs)),
+                                cfg.fused_step)
         self.runner = ModelRunner(model, cfg, self.device, self.caches, self.k_policy, count_host_syncs)
         self.eos_token_id = mcfg.eos_token_id
         self._warm_modes: set[tuple[str, bool]] = set()
@@ -187,7 +188,7 @@ class Engine:
             self._warm(params, hints, stats)
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k_max, self.eos_token_id)
+        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k_policy, self.eos_token_id)
         sched.add(seqs, arrivals)
         metrics = SpecMetrics(self.k_max) if self.k_max else None
         compiles_before = dynamo_compile_count()
@@ -195,27 +196,21 @@ class Engine:
         failures_before = self.runner.graph_failures()
         loop_start = time.perf_counter()
         while not sched.done:
-            admitted = sched.admissions(stats.num_steps)
-            if admitted:
-                t0 = time.perf_counter()
-                firsts = self.runner.prefill(admitted, generator)
+            if warm_later and sched.running:
+                loop_start += self._warm(params, hints, stats)  # warm-up is not decoding time
+                warm_later = False
+            plan = sched.schedule(stats.num_steps)
+            t0 = time.perf_counter()
+            out = self.runner.run(plan, generator, stats)
+            if plan.admitted:
                 stats.prefill_seconds += time.perf_counter() - t0
                 if not stats.generated_tokens:
                     stats.first_token_seconds = time.perf_counter() - start
-                stats.generated_tokens += sched.admit(admitted, firsts)
-            if not sched.running:
-                continue
-            if warm_later:
-                loop_start += self._warm(params, hints, stats)  # warm-up is not decoding time
-                warm_later = False
-            plan = self.runner.plan(sched.running)  # the step's K first: the room it needs follows from it
-            stats.preemptions += len(sched.make_room(plan.k).preempted)
-            if not sched.running:
-                continue
-            out = self.runner.step(sched.running, generator, stats, plan)
-            stats.generated_tokens += sched.postprocess(out, self.k_policy, metrics)
-            stats.num_steps += 1
-            stats.request_steps += len(out.tokens)
+            elif plan.running:
+                stats.num_steps += 1
+                stats.request_steps += len(plan.running)
+            stats.preemptions += len(plan.preempted)
+            stats.generated_tokens += sched.postprocess(plan, out, metrics)
         stats.decode_seconds = time.perf_counter() - loop_start
         stats.k_by_bucket = self.runner.end_run()
         stats.graph_failures = self.runner.graph_failures() - failures_before

@@ -1,6 +1,6 @@
-"""Requests → a step's inputs, on the host: how far a step reaches into a request's cache, the drafts that fit
-below ``max_model_len``, the block table's width and rows, cache slots, and ragged chunks right-padded into
-``[B, n]``.
+"""Requests → a step's inputs: how far a step reaches into a request's cache, the drafts that fit below
+``max_model_len``, the block table's width and rows, cache slots, ragged chunks right-padded into ``[B, n]``, the
+step-by-step path's verify, and the fused path's device-side batch (:class:`DeviceBatch`).
 
 The scheduler sizes a request's blocks with :func:`step_tokens`, the runner builds its tensors with the rest; the
 graphs compute the same on device (``graph.latent_cache.slots_for``, the fused step's verify in
@@ -9,11 +9,14 @@ on vllm-ascend); a request's blocks are a list of block ids whatever the cache l
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from .fused_step import GREEDY
 from .graph.mla_kernels import live_blocks
+from .sampling import SamplingParams, SamplingTensors
 
 if TYPE_CHECKING:
     from .scheduler import Sequence
@@ -66,6 +69,22 @@ def pack_chunks(seqs: list[Sequence], tokens: list[list[int]], firsts: list[int]
                  for x in (ids, pos, slots, table, ends, [m - 1 for m in lens]))
 
 
+def verify_inputs(running: list[Sequence], k: int, width: int, max_model_len: int, block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The step-by-step path's verify ``[B, 1 + k]``: each request's last token and drafts, their positions and
+    slots (past ``max_model_len``: position 0, no slot), the block table (``width`` columns) and seq_lens."""
+    q = 1 + k
+    ids, pos, slots = [], [], []
+    for seq in running:
+        positions = [seq.num_tokens - 1 + j for j in range(q)]  # from the last token's, already cached before it
+        ids.append([seq.last_token] + seq.draft_ids[:k])
+        pos.append([x if x < max_model_len else 0 for x in positions])
+        slots.append(slots_of(seq, positions, max_model_len, block_size))
+    seq_lens = [min(s.num_tokens - 1 + q, max_model_len) for s in running]
+    return tuple(torch.tensor(x, dtype=torch.long, device=device)
+                 for x in (ids, pos, slots, [block_row(s, width) for s in running], seq_lens))
+
+
 def pad_ragged(query_start_loc: torch.Tensor, width: int, device: torch.device,
                flat: list[tuple[torch.Tensor, int | float]]) -> list[torch.Tensor]:
     """The device twin of :func:`pack_chunks` for a flat ragged batch (row ``i``: ``t[qsl[i]:qsl[i+1]]``, vLLM's
@@ -76,3 +95,84 @@ def pad_ragged(query_start_loc: torch.Tensor, width: int, device: torch.device,
     gather = torch.where(valid, qsl[:-1].view(-1, 1) + j, 0).to(device)
     valid = valid.to(device)
     return [torch.where(valid.view(*valid.shape, *[1] * (t.dim() - 1)), t[gather], fill) for t, fill in flat]
+
+
+@dataclass
+class DeviceBatch:
+    """The running batch's next step inputs, on device, padded to its graph rows (pad rows: ``live`` False).
+
+    The fused graph advances ``input_ids`` and ``start`` itself; the host rebuilds the batch only when its
+    composition, K, sampling mode or logprobs change.
+    """
+
+    req_ids: tuple[int, ...]
+    k: int
+    mode: str
+    input_ids: torch.Tensor  # [Bp, 1+k]: last token, then the drafts
+    start: torch.Tensor  # [Bp]: position of input_ids[:, 0]
+    num_draft: torch.Tensor  # [Bp]
+    num_draft_host: list[int]  # the same, for the real rows (metrics)
+    block_table: torch.Tensor  # [Bp, M]: full width; each step passes the live columns
+    live: torch.Tensor  # [Bp] bool
+    sampling: SamplingTensors  # fields [Bp]
+    logprobs: bool = False
+    #: blocks each real row's request held when ``block_table`` was built (a grown one rebuilds the table)
+    blocks_held: tuple[int, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def block_table(running: list[Sequence], rows: int, max_blocks: int, device: torch.device) -> torch.Tensor:
+    """``[rows, max_blocks]``: each running request's blocks, then null rows for the padding."""
+    table = [block_row(s, max_blocks) for s in running] + [[0] * max_blocks] * (rows - len(running))
+    return torch.tensor(table, dtype=torch.long, device=device)
+
+
+def inert_batch(rows: int, k: int, max_blocks: int, device: torch.device) -> DeviceBatch:
+    """A batch of pad rows only (warm-up and step timing replay it: shapes, not data, set a step's cost)."""
+    # Distinct tensors: Dynamo guards on aliasing, and a run never passes one tensor twice.
+    return DeviceBatch((), k, GREEDY, torch.zeros(rows, 1 + k, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.long, device=device), [],
+                       torch.zeros(rows, max_blocks, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.bool, device=device),
+                       SamplingTensors.greedy_batch(rows, device))
+
+
+def device_batch(running: list[Sequence], rows: int, k: int, mode: str, logprobs: bool, old: DeviceBatch | None,
+                 max_blocks: int, device: torch.device) -> DeviceBatch:
+    """Device state for ``running`` padded to ``rows``: drafts of rows already in the ``old`` batch are gathered on
+    device (they never went to the host); requests just prefilled bring theirs from the host."""
+    b = len(running)
+    old_rows = {rid: i for i, rid in enumerate(old.req_ids)} if old is not None else {}
+    drafts = torch.zeros(rows, k, dtype=torch.long, device=device)
+    counts = []
+    from_old = [(i, old_rows[s.req_id]) for i, s in enumerate(running) if s.req_id in old_rows]
+    if from_old and k:
+        assert old is not None
+        dst, src = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*from_old))
+        width = min(k, old.k)
+        drafts[dst, :width] = old.input_ids.index_select(0, src)[:, 1: 1 + width]
+    for i, s in enumerate(running):
+        j = old_rows.get(s.req_id)
+        if j is not None:
+            assert old is not None
+            counts.append(min(old.num_draft_host[j], k))
+        else:
+            own = s.draft_ids[:k]
+            if own:
+                drafts[i, : len(own)] = torch.tensor(own, dtype=torch.long, device=device)
+            counts.append(len(own))
+    pad = rows - b
+    last = torch.tensor([s.last_token for s in running] + [0] * pad, dtype=torch.long, device=device)
+    return DeviceBatch(
+        req_ids=tuple(s.req_id for s in running), k=k, mode=mode,
+        input_ids=torch.cat([last.view(-1, 1), drafts], dim=1),
+        start=torch.tensor([s.num_tokens - 1 for s in running] + [0] * pad, dtype=torch.long, device=device),
+        num_draft=torch.tensor(counts + [0] * pad, dtype=torch.long, device=device), num_draft_host=counts,
+        block_table=block_table(running, rows, max_blocks, device),
+        live=torch.tensor([True] * b + [False] * pad, device=device),
+        sampling=SamplingTensors.from_params([s.params for s in running] + [SamplingParams()] * pad, device),
+        logprobs=logprobs, blocks_held=tuple(len(s.blocks) for s in running))

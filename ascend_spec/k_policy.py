@@ -1,4 +1,4 @@
-"""This step's K, as one object: the runner asks it once a step (:meth:`KPolicy.k_for`, before the scheduler makes
+"""This step's K, as one object: the scheduler asks it once a decode step (:meth:`KPolicy.plan`, before it makes
 cache room for that K), the fused step tells it what the step cost (:meth:`KPolicy.observe`), and the scheduler's
 postprocess feeds it the drafts verified (:meth:`KPolicy.record`). The cost model behind the choice is
 :mod:`.adaptive`; the acceptance it weighs is :class:`AcceptanceTracker`.
@@ -8,12 +8,15 @@ what this step drafts, 0..k_max.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .adaptive import LEARN_DRAFTS, AdaptiveK, choose_k
+from .fused_step import MAX_LOGPROBS
 
 if TYPE_CHECKING:
+    from .scheduler import Sequence
     from .warmup import GraphWarmup
 
 #: pseudo-drafts each position's acceptance starts from
@@ -63,12 +66,28 @@ class AcceptanceTracker:
         return rates
 
 
+@dataclass(frozen=True)
+class StepK:
+    """A decode step's K for its batch ``bucket``; ``fused``: the one-graph step applies (else the step-by-step
+    path, which drafts K_max)."""
+
+    k: int
+    bucket: int
+    fused: bool
+
+
 @dataclass
 class KPolicy:
     """K per step: ``force_k`` when set, K_max with ``adaptive`` off, else adaptive K per batch bucket."""
 
     k_max: int
     adaptive: bool
+    #: nominal batch buckets (``TorchairGraphConfig.batch_sizes``): the units adaptive K is chosen for
+    batch_sizes: tuple[int, ...] = (1,)
+    #: the one-graph step is on (``EngineConfig.fused_step``): it applies to batches up to the largest bucket
+    fused_step: bool = True
+    #: the graphs' warm-up, which compiles a K it deferred when the policy first picks it (bound by the runner)
+    warm: GraphWarmup | None = None
     acceptance: AcceptanceTracker = field(init=False)
     #: step costs per bucket and K (warm-up measures them, fused steps follow them) and each bucket's choice
     costs: AdaptiveK = field(init=False)
@@ -84,6 +103,24 @@ class KPolicy:
     def step_seconds(self) -> dict[int, dict[int, float]]:
         """Seconds of one fused step per bucket and K (adaptive K)."""
         return self.costs.step_seconds
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The nominal bucket of ``batch`` requests; None above the largest."""
+        i = bisect.bisect_left(self.batch_sizes, batch)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def fused_applies(self, running: list[Sequence]) -> bool:
+        return (self.fused_step and len(running) <= self.batch_sizes[-1]
+                and all((s.params.logprobs or 0) <= MAX_LOGPROBS for s in running))
+
+    def plan(self, running: list[Sequence]) -> StepK:
+        """The next decode step's K and bucket for ``running``; the step-by-step path always drafts K_max."""
+        bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
+        if not self.fused_applies(running):
+            return StepK(self.k_max, bucket, fused=False)
+        assert self.warm is not None, "the runner binds its warm-up before the first step"
+        to_go = max(s.max_tokens - len(s.output_ids) for s in running)
+        return StepK(self.k_for(bucket, to_go, self.warm), bucket, fused=True)
 
     def k_for(self, bucket: int, to_go: int | None, warm: GraphWarmup) -> int:
         """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many). A K

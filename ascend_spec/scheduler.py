@@ -1,9 +1,10 @@
 """Requests and their lifecycle: admission, KV blocks on demand, preemption, appending tokens, finishing.
 
 The scheduler never touches a tensor; the runner (:mod:`.runner`) never touches a request's lifecycle
-(nano-vllm's split). A decode step in the engine's loop is ``runner.plan`` (this step's K, from the K policy) →
-``make_room`` (cache room for it) → ``runner.step`` → ``postprocess`` (tokens appended, acceptance recorded,
-requests finished); nothing calls back between them.
+(nano-vllm's split). A turn of the engine's loop is three calls: :meth:`Scheduler.schedule` (a plan: prompts to
+prefill, or a decode step of the running batch at the K the K policy gives, with cache room made for it) →
+``runner.run(plan)`` (its tokens) → :meth:`Scheduler.postprocess` (tokens appended, acceptance recorded, requests
+finished); nothing calls back between them.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     from .k_policy import KPolicy
     from .metrics import SpecMetrics
-    from .runner import StepOutput
 
 
 @dataclass
@@ -49,17 +49,62 @@ class ScheduleResult:
     preempted: list[Sequence] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One turn of the engine's loop: prefill ``admitted`` (they run from the next turn), or a decode step of
+    ``running`` at K = ``k`` for batch ``bucket`` (``fused``: the one-graph step); neither when nothing can run.
+    ``preempted``: the requests making room for this step sent back to the queue."""
+
+    admitted: list[Sequence] = field(default_factory=list)
+    running: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    k: int = 0
+    bucket: int = 0
+    fused: bool = False
+
+
+@dataclass
+class StepOutput:
+    """What a turn gave its requests, in order: a decode step's tokens for the running ones, or a prefill's first
+    token (and the drafts for the first step) for the admitted ones."""
+
+    tokens: list[list[int]]  # accepted tokens of each row (1 .. 1+K; a prefill's: 1)
+    num_draft: list[int]  # drafts verified in each row
+    k: int
+    #: per row, one {token_id: logprob} per token in ``tokens`` (rows that asked for logprobs), else None
+    logprobs: list[list[dict[int, float]] | None] | None = None
+    #: a prefill's and the step-by-step path's: each row's next drafts (the fused path keeps them on device)
+    drafts: list[list[int]] | None = None
+
+
+def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
+    entry = dict(zip(top_ids[:n], top_lp[:n]))
+    entry[token] = tok_lp
+    return entry
+
+
+def row_logprobs(running: list[Sequence], tokens: list[list[int]], lp_h: list[list]) -> list:
+    """Per row, one entry per accepted token for the requests that asked (None for the others); ``lp_h``: the
+    host copies of ``top_logprobs``' (ids, logprobs, sampled token's logprob)."""
+    ids, lps, tok = lp_h
+    return [[logprob_entries(ids[i][j], lps[i][j], tok[i][j], t, s.params.logprobs) for j, t in enumerate(tokens[i])]
+            if s.params.logprobs is not None else None for i, s in enumerate(running)]
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_model_len: int, max_num_seqs: int, k_max: int,
+    def __init__(self, blocks: BlockManager, max_model_len: int, max_num_seqs: int, k_policy: KPolicy,
                  eos_token_id: int | None) -> None:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.k_max = k_max
+        self.k_policy = k_policy
+        self.k_max = k_policy.k_max
         self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.arrivals: dict[int, int] = {}
+        #: the last turn prefilled: the running batch decodes before anything else is admitted
+        self._prefilled = False
 
     def add(self, seqs: list[Sequence], arrivals: list[int]) -> None:
         """Queue ``seqs``; ``arrivals[i]``: the decode step at which ``seqs[i]`` arrives."""
@@ -73,6 +118,23 @@ class Scheduler:
     def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
         """Cache room one step at K = ``k`` (default K_max) needs (:func:`.inputs.step_tokens`)."""
         return step_tokens(seq.num_tokens, self.k_max if k is None else k)
+
+    def schedule(self, arrived: int) -> StepPlan:
+        """The next turn (``arrived``: decode steps run so far): the waiting requests that can be admitted now
+        (:meth:`admissions`) prefill together, unless the last turn was a prefill; else the running batch decodes
+        at the K the K policy gives, with cache room made for that K (:meth:`make_room`)."""
+        if not self._prefilled:
+            admitted = self.admissions(arrived)
+            if admitted:
+                self._prefilled = True
+                return StepPlan(admitted=admitted)
+        self._prefilled = False
+        if not self.running:
+            return StepPlan()
+        step = self.k_policy.plan(self.running)
+        preempted = self.make_room(step.k).preempted
+        return StepPlan(running=list(self.running), preempted=preempted, k=step.k, bucket=step.bucket,
+                        fused=step.fused)
 
     def next_admission(self, arrived: int, pending: int = 0) -> Sequence | None:
         """The next waiting request to prefill, if the batch has room (``pending``: requests taken for this
@@ -119,26 +181,21 @@ class Scheduler:
             result.preempted.append(victim)
         return result
 
-    def admit(self, seqs: list[Sequence], firsts: list[tuple[int, dict[int, float] | None, list[int]]]) -> int:
-        """Prefilled ``seqs`` take what their prefill gave (``runner.prefill``: the first token, its logprob entry,
-        the drafts for the next step); each then runs, or, finished by that token, gives its blocks back. Returns
-        the tokens appended."""
-        for seq, (token, entry, drafts) in zip(seqs, firsts):
-            if entry is not None:
-                seq.logprobs = [*(seq.logprobs or []), entry]
-            seq.draft_ids = drafts
-            self.append(seq, token)
-            self.admitted(seq)
-        return len(seqs)
+    def postprocess(self, plan: StepPlan, out: StepOutput | None, metrics: SpecMetrics | None) -> int:
+        """What ``plan``'s turn gave (``runner.run``; None: nothing ran); returns the tokens appended.
 
-    def postprocess(self, out: StepOutput, k_policy: KPolicy, metrics: SpecMetrics | None) -> int:
-        """One decode step's result for the running requests, in order: each row's verified drafts go to the K
-        policy (and ``metrics``), its tokens are appended up to its finish, its next drafts kept (step-by-step
-        path); finished requests leave the batch. Returns the tokens appended."""
+        A prefill: each admitted request takes its first token, its logprob entry and the drafts for its first
+        step, then runs, or, finished by that token, gives its blocks back. A decode step, for the running requests
+        in order: each row's verified drafts go to the K policy (and ``metrics``), its tokens are appended up to
+        its finish, its next drafts kept (step-by-step path); finished requests leave the batch."""
+        if out is None:
+            return 0
+        if plan.admitted:
+            return self._admit(plan.admitted, out)
         appended, finished = 0, []
-        for i, seq in enumerate(self.running):
+        for i, seq in enumerate(plan.running):
             tokens = out.tokens[i]
-            k_policy.record(out.num_draft[i], len(tokens) - 1)
+            self.k_policy.record(out.num_draft[i], len(tokens) - 1)
             if metrics is not None:
                 metrics.record(out.num_draft[i], len(tokens) - 1)
             entries = out.logprobs[i] if out.logprobs is not None else None
@@ -154,6 +211,15 @@ class Scheduler:
         for seq in finished:
             self.finish(seq)
         return appended
+
+    def _admit(self, seqs: list[Sequence], out: StepOutput) -> int:
+        for i, seq in enumerate(seqs):
+            if out.logprobs is not None and out.logprobs[i] is not None:
+                seq.logprobs = [*(seq.logprobs or []), *out.logprobs[i]]
+            seq.draft_ids = out.drafts[i] if out.drafts is not None else []
+            self.append(seq, out.tokens[i][0])
+            self.admitted(seq)
+        return len(seqs)
 
     def append(self, seq: Sequence, token: int) -> bool:
         """Append one generated token; returns True when the request just finished."""

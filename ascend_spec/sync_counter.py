@@ -167,3 +167,21 @@ class HostSyncCounter:
             self._function.__exit__(*exc)
         finally:
             self._dispatch.__exit__(*exc)
+
+
+@contextmanager
+def counted_into(stats: Any, enabled: bool, transfers: bool = False) -> Iterator[None]:
+    """Count the host syncs of the block into ``stats`` (a ``RunStats``) when ``enabled`` (``count_host_syncs``):
+    as ``host_syncs`` (a step's graphs: there must be none), or with ``transfers`` as ``host_transfers`` (the
+    step's results read afterwards: there must be one)."""
+    if not enabled:
+        yield
+        return
+    with HostSyncCounter() as counter:
+        yield
+    if transfers:
+        stats.host_transfers += counter.count
+        stats.host_transfer_events.extend(counter.events)
+    else:
+        stats.host_syncs += counter.count
+        stats.host_sync_events.extend(counter.events)

@@ -107,18 +107,19 @@ def generate_without_recompiles(engine, prompts, max_tokens):
 
     seen: set[int] = set()
     runner = engine.runner
-    step = runner.step
+    run = runner.run
 
-    def tracking(running, *args):
-        seen.add(len(running))
-        return step(running, *args)
+    def tracking(plan, *args):
+        if plan.running:
+            seen.add(len(plan.running))
+        return run(plan, *args)
 
-    runner.step = tracking
+    runner.run = tracking
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             _, stats, _ = engine.generate(prompts, SamplingParams(), max_tokens)
     finally:
-        del runner.step
+        del runner.run
     return stats, seen
 
 

@@ -68,8 +68,8 @@ def shape_change() -> None:
     original = ModelRunner._replay_args
     steps = {"n": 0}
 
-    def _replay_args(self, batch, width, noise):
-        key, args = original(self, batch, width, noise)
+    def _replay_args(self, batch, width, noise, running):
+        key, args = original(self, batch, width, noise, running)
         if batch.req_ids:  # a decode step (warm-up replays inert batches)
             steps["n"] += 1
             if steps["n"] >= 5:  # the defect: the step's tokens grow a column (an unused input would not guard)

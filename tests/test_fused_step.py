@@ -570,19 +570,20 @@ def test_max_num_seqs_per_call_limits_the_running_batch(trained_dir, prompts):
 def _scripted_k(eng, k_of_step) -> dict:
     """Run ``eng``'s fused steps at ``k_of_step(step index)``; returns what the last step saw of the one request
     (its blocks and token count)."""
-    runner, seen, count = eng.runner, {}, [0]
-    plan, step = runner.plan, runner.step
+    policy, runner, seen, count = eng.k_policy, eng.runner, {}, [0]
+    plan, run = policy.plan, runner.run
 
     def scripted_plan(running):
-        runner.k_policy.force_k = k_of_step(count[0])
+        policy.force_k = k_of_step(count[0])
         count[0] += 1
         return plan(running)
 
-    def seen_step(running, generator, stats, step_plan):
-        seen.update(blocks=list(running[0].blocks), num_tokens=running[0].num_tokens)
-        return step(running, generator, stats, step_plan)
+    def seen_run(step_plan, *args):
+        if step_plan.running:
+            seen.update(blocks=list(step_plan.running[0].blocks), num_tokens=step_plan.running[0].num_tokens)
+        return run(step_plan, *args)
 
-    runner.plan, runner.step = scripted_plan, seen_step
+    policy.plan, runner.run = scripted_plan, seen_run
     return seen
 
 

@@ -1,12 +1,15 @@
 """Blocks on demand with preemption: a KV pool too small for the batch preempts the newest request and
 recomputes it later (prompt + generated tokens re-prefilled); greedy output stays that of an ample pool."""
+from types import SimpleNamespace
+
 import pytest
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
+from ascend_spec.k_policy import KPolicy
 from ascend_spec.graph.latent_cache import num_blocks_for
 from ascend_spec.kv_cache import BlockAllocator, BlockManager
-from ascend_spec.scheduler import Scheduler, Sequence
+from ascend_spec.scheduler import Scheduler, Sequence, StepOutput
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -66,7 +69,7 @@ def test_make_room_reserves_draft_room_for_the_steps_k():
     tokens past the last one's position (verify up to start + 3, drafts up to start + 5)."""
     def running() -> Scheduler:
         manager = BlockManager(BlockAllocator(4), max_model_len=64, block_size=16)  # 3 usable blocks
-        sched = Scheduler(manager, 64, 4, 3, None)
+        sched = Scheduler(manager, 64, 4, KPolicy(3, False, (1, 2, 4)), None)
         for i in range(2):  # 16 tokens each: one full block
             seq = Sequence(i, list(range(16)), SamplingParams(), 8)
             assert manager.ensure_capacity(seq.blocks, seq.num_tokens)
@@ -78,6 +81,55 @@ def test_make_room_reserves_draft_room_for_the_steps_k():
     drafting = running()
     assert [s.req_id for s in drafting.make_room(3).preempted] == [1]  # 21 tokens each: the newest goes
     assert [s.req_id for s in running().make_room().preempted] == [1]  # the default is K_max's room
+
+
+@pytest.mark.parametrize("force_k", [0, 3])
+def test_schedule_plans_a_prefill_then_a_decode_step_with_room_for_the_policys_k(force_k):
+    """A turn is a plan: the requests that can be admitted prefill together; the next turn decodes the running
+    batch at the K the K policy gives (its bucket and path with it), with cache room made for that K only; what
+    the runner gives back goes in through ``postprocess``."""
+    manager = BlockManager(BlockAllocator(4), max_model_len=64, block_size=16)  # 3 usable blocks
+    policy = KPolicy(3, True, (1, 2, 4), fused_step=True, force_k=force_k)
+    policy.warm = SimpleNamespace(deferred=set())  # every K warm: nothing to compile
+    sched = Scheduler(manager, 64, 4, policy, None)
+    seqs = [Sequence(i, list(range(10)), SamplingParams(), 8) for i in range(2)]
+    sched.add(seqs, [0, 0])
+    prefill = sched.schedule(0)  # each takes a block: its prompt and a first step at K_max (16 positions)
+    assert prefill.admitted == seqs and prefill.running == [] and sched.running == []
+    out = StepOutput([[7], [8]], [0, 0], 0, None, [[1, 2, 3], [4, 5, 6]])
+    assert sched.postprocess(prefill, out, None) == 2
+    assert sched.running == seqs and [s.output_ids for s in seqs] == [[7], [8]] and seqs[1].draft_ids == [4, 5, 6]
+    for step in range(2):
+        decode = sched.schedule(step)
+        assert (decode.admitted, decode.k, decode.fused) == ([], force_k, True)
+        if step == 0:
+            assert decode.running == seqs and decode.bucket == 2
+            out = StepOutput([[9], [10, 11]], [force_k] * 2, force_k)
+            assert sched.postprocess(decode, out, None) == 3
+            assert policy.acceptance.offered[0] == (2 if force_k else 0)
+    # 12 and 13 tokens: a K = 3 step needs 17 and 18 positions, a second block each, and one is left
+    assert [len(s.blocks) for s in seqs] == ([1, 1] if force_k == 0 else [2, 0])
+    assert decode.preempted == ([] if force_k == 0 else [seqs[1]])
+    assert decode.running == seqs[: 2 - len(decode.preempted)]
+    assert decode.bucket == 2  # asked for the batch before room was made
+
+
+def test_the_running_batch_decodes_between_two_prefills():
+    """A prefill turn is followed by a decode turn of the requests running, even where the prefill freed a place
+    that a waiting request could take at once (one request ended by its first token): prompts arriving one after
+    another never hold the running batch back for more than one turn."""
+    manager = BlockManager(BlockAllocator(8), max_model_len=64, block_size=16)
+    sched = Scheduler(manager, 64, 2, KPolicy(2, False, (1, 2), fused_step=False), None)
+    seqs = [Sequence(i, list(range(10)), SamplingParams(), 1 if i == 0 else 8) for i in range(3)]
+    sched.add(seqs, [0, 0, 0])
+    prefill = sched.schedule(0)
+    assert prefill.admitted == seqs[:2]  # max_num_seqs 2
+    sched.postprocess(prefill, StepOutput([[5], [6]], [0, 0], 0, None, [[], []]), None)
+    assert seqs[0].finish_reason == "length" and sched.running == [seqs[1]]
+    decode = sched.schedule(0)
+    assert decode.admitted == [] and decode.running == [seqs[1]] and (decode.k, decode.fused) == (2, False)
+    sched.postprocess(decode, StepOutput([[7]], [0], 2), None)
+    assert sched.schedule(1).admitted == [seqs[2]]
 
 
 @pytest.mark.parametrize("k, force_k", [(0, None), (3, 0), (3, None)], ids=["no-spec", "adaptive-at-0", "k3"])

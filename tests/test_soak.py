@@ -83,13 +83,14 @@ def soak(trained_dir: Path, num_steps: int, backend: str, seed: int = 0) -> Soak
     report = SoakReport(total_blocks=spec.caches.allocator.num_free)
     rng = random.Random(seed)
     corpus = _corpus(trained_dir)
-    step = spec.runner.step
+    run = spec.runner.run
 
-    def tracking(running, *args):
-        report.batch_sizes.add(len(running))
-        return step(running, *args)
+    def tracking(plan, *args):
+        if plan.running:
+            report.batch_sizes.add(len(plan.running))
+        return run(plan, *args)
 
-    spec.runner.step = tracking
+    spec.runner.run = tracking
     rounds, first = 0, None
     with torch.compiler.set_stance("fail_on_recompile"):
         while report.steps < num_steps:

@@ -72,26 +72,26 @@ def tree_events() -> Iterator[Counter]:
 
 def run(eng: Engine, prompts: list[list[int]], max_tokens: int, k_of_step: Callable[[int], int],
         mark_step: bool) -> tuple[float, float, int, Counter]:
-    runner, count = eng.runner, [0]
-    plan = runner.plan
+    policy, count = eng.k_policy, [0]
+    plan = policy.plan
     mark = mark_step and eng.device.type == "cuda"
 
-    def scripted(running):  # the step's K is planned before the scheduler makes room for it
-        runner.k_policy.force_k = k_of_step(count[0])
+    def scripted(running):  # the scheduler asks the step's K before it makes room for it
+        policy.force_k = k_of_step(count[0])
         count[0] += 1
         if mark:
             torch.compiler.cudagraph_mark_step_begin()
         return plan(running)
 
-    runner.plan = scripted
+    policy.plan = scripted
     try:
         with tree_events() as events:
             t0 = time.perf_counter()
             out, stats, _ = eng.generate(prompts, SamplingParams(), max_tokens)
             seconds = time.perf_counter() - t0
     finally:
-        del runner.plan
-        runner.k_policy.force_k = None
+        del policy.plan
+        policy.force_k = None
     tokens = sum(len(o.token_ids) for o in out)
     return tokens / seconds, 1000 * seconds / max(stats.num_steps, 1), stats.num_steps, events
 
