@@ -1,114 +1,67 @@
 """Adaptive K: per batch bucket, the number of drafts that gives the most tokens per second.
 
-Speculation pays when the tokens a step yields outgrow what the step costs: with per-position acceptance
-a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs ``step_seconds[K]``: measured at warm-up (the same
-fused graphs on the same inert batch at a short context, K values interleaved), then followed by the steps the run
-takes (each fused step's own time, graph and host; prefills between steps are left out: every request is
-prefilled once whatever K decodes it, a cost per token that does not change which K yields the most).
+With per-position acceptance a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs
+``step_seconds[K]``: measured at warm-up (the same fused graphs on an inert batch at a short context, K values
+interleaved), then followed by the run's own steps (graph and host; prefills are left out of a step's cost).
 
-Two kinds of drift are told apart. What moves every K alike (the machine's speed, which drifts by ±20-30% within
-minutes on shared CPUs; the host's share) is followed by the running K: each of its steps
-scales the whole bucket's figures, so K values that are not running do not keep stale, optimistic warm-up figures
-(which made the policy try each K in turn as the running one's figure rose, paying a batch rebuild per switch).
-What sets one K apart is measured when a K runs as an exploration: every ``EXPLORE_EVERY`` steps a bucket runs two
-steps at another K, each K in turn (the first step drafts, the second verifies), and the second moves that K's
-own figure: the first such step replaces its warm-up figure, later ones are averaged (``EXPLORE_SMOOTHING``).
-Only an exploration moves one K's own figure: a K that runs for any other reason (K_max while acceptance is
-learned) is what runs, and scales every figure. Counted as explorations, the learning steps at the start of a
-run, short contexts, priced K = 3 at 2.1 plain steps against figures of the last run's long contexts (batch 16,
-2-core CPU: 2.5), and K = 3 then ran at 0.87x plain decoding.
+- What moves every K alike (the machine's drift, the host's share) is followed by the running K: each of its steps
+  scales the bucket's figures, so K values that do not run keep no stale warm-up figures.
+- What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
+  another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
+  replaces its warm-up figure, later ones are averaged). A K that runs for any other reason (K_max while
+  acceptance is learned) only scales.
+- What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``) and added to a
+  step's figure when K is chosen: it differs by K and does not follow the drift.
+- A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
+  threshold); K_max, run while acceptance is learned, is no incumbent. What a change of K costs (rebuild,
+  catch-up) is timed apart per bucket, widens the margin and spaces explorations; the step after a change moves
+  no figure (it runs on the caches the other K left).
+- A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
+  step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
+- K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
+  window (``k_policy.ACCEPTANCE_WINDOW``), and small buckets explore more often while it runs (``explore_every``).
 
-What runs between steps (prefills, the engine's loop) is kept apart, per bucket and K (``between``: an average
-over the steps each K ran), and added to the step's figure when K is chosen: it is not the same at every K.
-Speculating requests finish steps apart and are prefilled one by one; plain decoding's requests of equal length
-finish together and are prefilled as one batch (batch 16, 2-core CPU: 1.22 ms a step at K = 1, 0.36 at K = 0,
-6% of a K = 1 step). Kept apart, it does not scale with the machine's drift, which the step figures follow.
-The context growing is treated as shared too, which it is only roughly: a K that verifies and drafts more tokens a
-row grows dearer faster (batch 16, 2-core CPU: K = 3 held while K = 1 was cheaper per token), until explored.
-
-A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second: near-ties (batch 8-16 on
-the 2-core CPU, where every K is within a few per cent a step) then do not flip K every few steps, each flip paying
-a batch rebuild. K_max, which runs while acceptance is learned, is no incumbent: a bucket's first choice is the
-best drafting K outright (with K_max the incumbent, a K 4% better per second never ran: batch 4, K = 3 at 1.21x
-plain decoding where K = 1 ran 1.35x), and K = 0 must beat it as it must beat any running drafting K. Making
-K = 0 the first incumbent instead was tried: at batch 1 a request's first drafts, accepted less often than later
-ones, could then settle K = 0, and acceptance is learned only from explorations once K = 0 runs (one bench round
-at 0.95x plain decoding where K = 3 ran 1.27x).
-
-Speculating rows finish apart, and that costs a bucket of several rows more than its steps show: the queue's last
-requests drain unevenly, the next ones are prefilled one by one, and rows of different lengths pad each other's
-attention; plain decoding of requests admitted together pays none of it. A drafting K's expected tokens per second
-is discounted by ``rows_apart_cost`` (nothing for a lone request, more the more tokens a step yields), so a K
-expected to gain less than that over plain decoding does not run. Plain decoding is also spared the drafts' room
-in the cache: the runner plans a step's K before the scheduler makes room for it, and a K = 0 step reserves no
-look-ahead.
-
-K = 0 is what a policy learns least about, so it is guarded three ways: a running K gives way to K = 0 only for
-``stop_margin(bucket)`` (``STOP_MARGIN`` for a lone request, less for a bucket whose explorations verify drafts of
-many rows); acceptance is a recent window (``k_policy.ACCEPTANCE_WINDOW``), so a few poor first requests do
-not keep drafting off for good; and while K = 0 runs, a small bucket explores more often (``explore_every``).
-A step that changes K leaves its rebuild and catch-up out of that K's cost (the runner times from after them); they
-are timed apart, per bucket, as what a change costs: explorations are spaced and a running K's margin widened by it.
-The step itself, run on the caches the other K left, moves no figure (``AdaptiveK.observe``).
+The runs behind each rule and constant: docs/performance.md, "Adaptive K".
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-#: steps between explorations of another K (each costs two steps at a K that may not pay: at batch 16 on CPU a
-#: K = 3 step costs twice a plain one, so exploring every 32 steps cost ~6%)
+#: steps between explorations of another K (each costs two steps at a K that may not pay)
 EXPLORE_EVERY = 64
-#: ... or, while K = 0 runs in a small bucket, ``EXPLORE_ROW_STEPS × bucket`` steps: an exploration out of K = 0
-#: is where acceptance is learned, and it verifies drafts of as many rows as the bucket has. Batch 1 exploring
-#: every 64 steps saw one draft in 32 and held K = 0 for 1,700 steps; its explorations are also the cheapest (two
-#: steps of one row, a catch-up over a few positions). Out of K > 0 an exploration only measures another K's
-#: cost, and each costs its own steps plus the drafts in flight (batch 1 every 16 steps: 0.94x the best fixed K)
+#: ... or, while K = 0 runs in a small bucket, this × bucket steps: out of K = 0 acceptance is learned only there
 EXPLORE_ROW_STEPS = 16
 #: consecutive steps an exploration takes: one to draft, one to verify
 EXPLORE_STEPS = 2
 #: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
 COST_SMOOTHING = 0.2
-#: weight of an exploration step (another K, measured one step in EXPLORE_EVERY) once its K has been measured a few
-#: times: a K's n-th measured step weighs 1/n down to this, so its first replaces the warm-up figure (inert batch,
-#: short context: off by up to 18% at batch 4) and later ones average out one step's noise instead of following it
+#: an explored K's n-th measured step weighs 1/n down to this: the first replaces the warm-up figure, later ones
+#: average out one step's noise instead of following it
 EXPLORE_SMOOTHING = 0.2
-#: a step's time counts at most this multiple of its K's running cost: one stalled step (a noisy neighbour, the
-#: allocator) must not move a bucket's figures far
+#: a step counts at most this multiple of its K's running cost: one stalled step must not move the figures far
 OBSERVE_CLIP = 1.5
-#: a bucket leaves its running K (at first K_max) only for one expected to yield this much more per second:
-#: near-equal estimates must not flip K every few steps, and each flip costs (the batch is rebuilt, and the first
-#: step at a higher K has fewer drafts to verify)
+#: a running K gives way only to one expected to yield this much more per second: each change costs a rebuild
 SWITCH_MARGIN = 0.05
-#: ... and a lone request leaves speculation (for K = 0) only for this much more: a wrong K > 0 is corrected by the
-#: acceptance its own steps bring, a wrong K = 0 only by explorations, and the return pays a catch-up. Bundled
-#: model, batch 1, a 5% margin: 209-537 of ~1,100 steps at K = 0 (prompts near break-even) and 0.93x the best
-#: fixed K. A bucket of b rows learns b drafts an exploration: its margin is STOP_MARGIN / b, at least
-#: SWITCH_MARGIN (batch 8-16 on the 2-core CPU: K = 1 ran at 0.90-0.93x plain decoding, inside a 15% margin)
+#: ... and a lone request leaves speculation only for this much more (a bucket of b rows: this / b, at least
+#: SWITCH_MARGIN): a wrong K = 0 is corrected only by explorations, and the return pays a catch-up
 STOP_MARGIN = 0.15
 #: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
-#: (plain decoding's batch of 8 prompts, 13 ms, once in 128 steps), and an explored K's steps must not price
-#: it at 6 ms a step for having caught one
 BETWEEN_PRIOR_STEPS = 64
-#: first-position drafts verified (K_max running) before buckets choose their K: a request's first tokens are a
-#: poor sample (bundled model, batch 1: position 1 accepted 0.44 after 32 drafts, 0.66 over the run), and once
-#: K = 0 runs, acceptance is learned only from explorations
+#: first-position drafts verified (K_max running) before buckets choose their K: first tokens are a poor sample
 LEARN_DRAFTS = 128
-#: share of the run explorations may spend on their changes of K (two each; a change costs several short CUDA steps)
+#: share of the run explorations may spend on their changes of K (two each)
 EXPLORE_SHARE = 0.05
 #: steps over which a change of K must repay its own cost when a running K gives way
 SWITCH_HORIZON = 64
 #: weight of one change of K's time in a bucket's running figure of what a change costs
 SWITCH_SMOOTHING = 0.25
-#: context (tokens) of the inert batch warm-up times steps on: short, so a K's first figure errs low rather than
-#: high; a K that runs is measured every step and corrected at once, one that does not only when explored
+#: context (tokens) warm-up times steps on: short, so a K's first figure errs low rather than high
 WARMUP_COST_CONTEXT = 64
 
 
-#: what speculating costs a bucket of several rows that no step's time shows, as a share of its tokens/s per token a
-#: step yields beyond plain decoding's one: its rows finish apart, so the queue's last requests drain unevenly, the
-#: next ones are prefilled one by one rather than as a batch, and rows of different lengths pad each other's
-#: attention; the more a step advances a row, the further apart they finish (measured: docs/performance.md)
+#: share of a bucket's tokens/s, per token a step yields beyond plain decoding's one, that its rows finishing apart
+#: cost (uneven drain, one-by-one prefills, padded attention): the more a step advances a row, the further apart
 ROWS_APART_PER_TOKEN = 0.07
 
 
