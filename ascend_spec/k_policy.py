@@ -83,7 +83,7 @@ class KPolicy:
     k_max: int
     adaptive: bool
     #: nominal batch buckets (``TorchairGraphConfig.batch_sizes``): the units adaptive K is chosen for
-    batch_sizes: tuple[int, ...] = (1,)
+    batch_sizes: tuple[int, ...]
     #: the one-graph step is on (``EngineConfig.fused_step``): it applies to batches up to the largest bucket
     fused_step: bool = True
     #: the graphs' warm-up, which compiles a K it deferred when the policy first picks it (bound by the runner)
