@@ -16,13 +16,13 @@ from .fused_step import top_logprobs
 from .inputs import drafts_fit, step_tokens, verify_inputs
 from .proposer import DraftInputs
 from .sampling import SamplingTensors, sample
-from .scheduler import StepOutput, row_logprobs
+from .scheduler import Sequence, StepOutput, row_logprobs
 from .sync_counter import counted_into, suspended_if_compiled
 
 if TYPE_CHECKING:
+    from .inputs import DeviceBatch
     from .metrics import RunStats
-    from .runner import DeviceBatch, ModelRunner
-    from .scheduler import Sequence
+    from .runner import ModelRunner
 
 
 class StepByStep:
