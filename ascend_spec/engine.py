@@ -193,7 +193,7 @@ class Engine:
         metrics = SpecMetrics(self.k_max) if self.k_max else None
         compiles_before = dynamo_compile_count()
         deferred_before = (self.runner.warm.deferred_compiles, self.runner.warm.deferred_seconds)
-        failures_before = self.runner.graph_failures()
+        failures_before = self.runner.graphs.num_failures()
         loop_start = time.perf_counter()
         while not sched.done:
             if warm_later and sched.running:
@@ -213,7 +213,7 @@ class Engine:
             stats.generated_tokens += sched.postprocess(plan, out, metrics)
         stats.decode_seconds = time.perf_counter() - loop_start
         stats.k_by_bucket = self.runner.end_run()
-        stats.graph_failures = self.runner.graph_failures() - failures_before
+        stats.graph_failures = self.runner.graphs.num_failures() - failures_before
         stats.graph_host_ops = len(self.backend.lint.findings)
         stats.deferred_compiles = self.runner.warm.deferred_compiles - deferred_before[0]
         stats.deferred_compile_seconds = self.runner.warm.deferred_seconds - deferred_before[1]

@@ -34,11 +34,10 @@ from .chunks import Chunks
 from .config import EngineConfig
 from .fused_step import GREEDY, RANDOM, SpecStepGraphs, StepKey
 from .graph.backends import Backend, get_backend
-from .graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
-from .graph.backends.compile_cache import CacheKey, CompileCache, open_default_cache
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
+from .graphs import GraphRegistry
 from .inputs import DeviceBatch, block_table, device_batch, drafts_fit, inert_batch, step_tokens, table_width
 from .k_policy import KPolicy
 from .kv_cache import KVCaches
@@ -77,37 +76,41 @@ class ModelRunner:
             view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
             use_cached_graph=g.use_cached_graph, input_guards_only=True, graph_failure=cfg.graph_failure)
         self.shapes = self.backend.shapes
-        # Compiled graphs kept across runs (torchair keeps its own: use_cached_graph / cache_compile).
-        self.compile_cache: CompileCache | None = open_default_cache() if self.backend.name == "inductor" else None
-        # Graphs saved whole where the backend can load them without tracing (CPU inductor)
-        self.graph_store: GraphStore | None = None
-        if self.compile_cache is not None and device.type == "cpu" and aot_available():
-            self.graph_store = GraphStore(self.compile_cache, self.cache_key("graphs"), external=module_refs(model))
-            self.backend.store = self.graph_store
-        model.use_backend(self.backend)
-        model.set_compile_regions(getattr(self.backend, "compile_regions", False))
         #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
         self.batch_sizes = g.batch_sizes(cfg.max_num_seqs)
+        unpadded = bool(self.spec and self.spec.disable_padded_drafter_batch)
+        #: every compiled graph of this runner, their warm-up, failures and on-disk key
+        self.graphs = GraphRegistry(model, self.backend, device, key_options={
+            "shapes": dataclasses.asdict(self.shapes),
+            "compile_regions": getattr(self.backend, "compile_regions", False),
+            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size, "kv_layout": cfg.kv_layout,
+            # one dynamic-batch graph serves any bucket list
+            "batch_sizes": None if self.shapes.dynamic_batch else self.batch_sizes,
+            "disable_padded_drafter_batch": unpadded})
+        model.use_backend(self.backend)
+        model.set_compile_regions(getattr(self.backend, "compile_regions", False))
         self._target_eager = make_target_step(model)
-        self.target_graph = BucketedGraph(self.backend, self._target_eager, "target", self.batch_sizes,
-                                          TARGET_BATCH_ARGS, host_lengths=model.takes_host_lengths)
+        self.target_graph = self.graphs.add("target", BucketedGraph(
+            self.backend, self._target_eager, "target", self.batch_sizes, TARGET_BATCH_ARGS,
+            host_lengths=model.takes_host_lengths))
         # Prompts replay a graph too (a query axis: dynamic on CPU, padded to a few widths where graphs replay one
         # shape): a lone 20-token prompt of the bundled model took 23 ms eagerly, 15 ms as a graph (2-core CPU),
         # about two decode steps of a batch of 8, and speculating requests finish apart and join one by one.
         self.prefill_eager = make_prefill_step(model)
         self.prefill_graph: BucketedGraph | None = None
         if g.prefill_query_widths:
-            self.prefill_graph = BucketedGraph(self.backend, self.prefill_eager, "prefill", self.batch_sizes,
-                                               PREFILL_BATCH_ARGS, query_widths=g.prefill_query_widths,
-                                               host_lengths=model.takes_host_lengths)
+            self.prefill_graph = self.graphs.add("prefill", BucketedGraph(
+                self.backend, self.prefill_eager, "prefill", self.batch_sizes, PREFILL_BATCH_ARGS,
+                query_widths=g.prefill_query_widths, host_lengths=model.takes_host_lengths))
         self.proposer: MtpTorchairProposer | None = None
         if self.spec:
             self.proposer = MtpTorchairProposer(model, self.spec, cfg.max_model_len, caches.draft,
                                                 backend=self.backend, batch_sizes=self.batch_sizes,
                                                 prefill_widths=cfg.graph.prefill_query_widths)
-        self.spec_graphs = SpecStepGraphs(model, self.backend, cfg.max_model_len,
-                                          keep_hidden=self.proposer is not None,
-                                          unpadded=bool(self.spec and self.spec.disable_padded_drafter_batch))
+            self.graphs.add("draft", self.proposer.graph)
+        self.spec_graphs = self.graphs.add("fused", SpecStepGraphs(model, self.backend, cfg.max_model_len,
+                                                                   keep_hidden=self.proposer is not None,
+                                                                   unpadded=unpadded))
         #: called after each fused replay with its key and arguments (benchmarks time the phases on them)
         self.step_observer: Callable[[StepKey, tuple], None] | None = None
         self._batch: DeviceBatch | None = None
@@ -158,22 +161,6 @@ class ModelRunner:
         """The next fused step builds its device batch anew (warm-up replayed inert batches through its graphs)."""
         self._batch = None
 
-    def cache_key(self, what: str) -> CacheKey:
-        """One warm-up's compiled artifacts: the model, the graph code, torch and every option that shapes them."""
-        cfg = self.cfg
-        return CacheKey(what=what, model_config=self.model.cfg.to_hf_dict(), backend=self.backend.name,
-                        backend_options={"device": str(self.device), "capability": device_capability(self.device),
-                                         "dtype": str(self.model.lm_head.weight.dtype),
-                                         "shapes": dataclasses.asdict(self.shapes),
-                                         "attention": self.backend.attention_kernel,
-                                         "compile_regions": getattr(self.backend, "compile_regions", False),
-                                         "max_model_len": cfg.max_model_len,
-                                         "block_size": cfg.block_size, "kv_layout": cfg.kv_layout,
-                                         # one dynamic-batch graph serves any bucket list
-                                         "batch_sizes": None if self.shapes.dynamic_batch else self.batch_sizes,
-                                         "disable_padded_drafter_batch": bool(
-                                             self.spec and self.spec.disable_padded_drafter_batch)})
-
     def inert_batch(self, rows: int, k: int) -> DeviceBatch:
         return inert_batch(rows, k, self.max_blocks, self.device)
 
@@ -210,11 +197,6 @@ class ModelRunner:
         self._last_step_end = None
         self.chunks.undrafted.clear()
         return self.k_policy.chosen(self.batch_sizes)
-
-    def graph_failures(self) -> int:
-        """Compiled graphs of this runner that failed so far (``graph_failure: eager``: each step reran eagerly)."""
-        graphs = [self.target_graph, self.prefill_graph, self.proposer.graph if self.proposer is not None else None]
-        return sum(self.spec_graphs.failures.values()) + sum(g.num_failures for g in graphs if g is not None)
 
     # -- fused path: one graph per step over device-side state ------------------------------------
     def replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None

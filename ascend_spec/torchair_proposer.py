@@ -17,7 +17,7 @@ import torch
 from .config import DEFAULT_PREFILL_QUERY_WIDTHS, SpeculativeConfig
 from .graph.backends import Backend, get_backend
 from .graph.latent_cache import LatentCache, cache_tensors
-from .graph.buckets import BatchArg, BucketedGraph, warm_widths
+from .graph.buckets import BatchArg, BucketedGraph, WarmStep, run_warm_steps, warm_widths
 from .graph.model import DeepseekV3ForCausalLM
 from .proposer import MtpProposer
 from .sync_counter import suspended_if_compiled
@@ -51,12 +51,12 @@ class MtpTorchairProposer(MtpProposer):
         (1 + K) and prefill chunks up to the widest ``prefill_widths``, batches up to the largest bucket."""
         return self.graph.serves(batch, query)
 
-    def warmup(self, progress: bool = True) -> dict[int, float]:
-        """Compile the draft graph(s): one per bucket, largest first, where the backend compiles per shape, and per
-        query width where a graph replays one shape (1 + K and each prefill width). Backends that take trimmed
-        tables replay widths from small (distinct from the warm-up batch size, so Dynamo keeps the two dimensions
-        apart) to the full ``max_model_len`` (``warm_widths``); with a dynamic query axis, prefill widths too
-        (distinct from the other two dimensions)."""
+    def warm_steps(self, why: str = "the draft chain") -> list[WarmStep]:
+        """The draft graph(s)' warm-up plan: one per bucket, largest first, where the backend compiles per shape,
+        and per query width where a graph replays one shape (1 + K and each prefill width). Backends that take
+        trimmed tables replay widths from small (distinct from the warm-up batch size, so Dynamo keeps the two
+        dimensions apart) to the full ``max_model_len`` (``warm_widths``); with a dynamic query axis, prefill
+        widths too (distinct from the other two dimensions)."""
         full = self.table_width
         q = 1 + self.num_speculative_tokens
         # The first compile sees rows, query and table width: distinct sizes, so Dynamo gives each its own symbol.
@@ -64,8 +64,11 @@ class MtpTorchairProposer(MtpProposer):
         largest = self.graph.query_widths[-1]
         queries = ([q + 2, largest] if largest > q + 2 else None) if self.graph.query_dynamic else None
         example = self._inert_batch(self.graph.max_size, full)
-        with torch.no_grad():
-            return self.graph.warmup(example, (self.draft_cache,), progress=progress, widths=widths, queries=queries)
+        return self.graph.warm_steps(example, (self.draft_cache,), widths=widths, queries=queries, why=why)
+
+    def warmup(self, progress: bool = True) -> dict[str, float]:
+        """Compile the draft graph(s) (:meth:`warm_steps`); seconds per graph."""
+        return run_warm_steps(self.warm_steps(), progress, desc="compile draft")
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,

@@ -1,6 +1,7 @@
 """Warm-up: which compiled graphs a run needs before its first step, which it defers, and their step costs.
 
-The runner replays graphs; this module decides which to compile (or load) and when. ``warm_graphs: all`` compiles
+The runner replays graphs; this module decides which to compile (or load) and when, as one plan of
+:class:`~.graph.buckets.WarmStep` that the runner's :class:`~.graphs.GraphRegistry` runs. ``warm_graphs: all`` compiles
 every graph up front; ``first`` (the default) compiles what the first steps run: the fused step at K_max for the
 batch shapes a run starts with, the prompt graphs only for runs of many prompts, and the other K values of adaptive
 K when the policy first picks one (:meth:`GraphWarmup.compile_deferred`). Adaptive K's step costs per bucket and K
@@ -9,18 +10,17 @@ are measured here, on inert batches, since shapes, not data, set a step's cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from .adaptive import WARMUP_COST_CONTEXT, interpolated_costs
 from .fused_step import GREEDY, time_call
-from .graph.buckets import warm_widths
+from .graph.buckets import WarmStep, warm_widths
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -70,7 +70,7 @@ class GraphWarmup:
         self.prompts_warm = False
         #: (sampling mode, logprobs) pairs the fused path was warmed for, and the (rows, K, mode, logprobs) graphs
         self.modes: list[tuple[str, bool]] = []
-        self.graphs: set[tuple[int, int, str, bool]] = set()
+        self.fused_warm: set[tuple[int, int, str, bool]] = set()
         self.progress = False
         #: Dynamo graphs the deferred compiles made (planned, not recompiles), and their seconds
         self.deferred_compiles = 0
@@ -85,7 +85,6 @@ class GraphWarmup:
         — or the target step and draft chain; the prompt graphs once, with ``warm_graphs: first`` only for a run of
         ``PROMPT_GRAPHS_FROM`` ``prompts`` or more (None: as many). Graphs already warm are skipped. A bar on
         stderr names each graph and why it runs; one summary line ends it."""
-        report = WarmupReport()
         self.progress = progress
         every = self.cfg.warm_graphs == "all" or not self.shapes.dynamic_batch
         lone, batched = lone or every, batched or every
@@ -93,26 +92,27 @@ class GraphWarmup:
         rows = ("_lone" if lone else "") + ("_batched" if batched else "")
         what = (f"fused_k{'-'.join(map(str, ks))}{rows}_{'-'.join(modes)}"
                 f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k_max}")
-        first = self.prompts_unwarmed(prompts)
-        if first:  # once per engine: prompts are prompts whatever the sampling modes
+        prompts_too = self.prompts_unwarmed(prompts)
+        if prompts_too:  # once per engine: prompts are prompts whatever the sampling modes
             what += "_prefill_q" + "-".join(map(str, self.runner.prefill_graph.query_widths))
-        # torch's artifacts cache where graphs are not stored whole (the store needs neither Dynamo nor it)
-        cached = (self.runner.compile_cache.around_warmup(self.runner.cache_key(what))
-                  if self.runner.compile_cache is not None and self.runner.graph_store is None else nullcontext(None))
-        store = self.runner.graph_store
-        before = (store.loaded, store.compiled) if store is not None else (0, 0)
-        with torch.no_grad(), cached as hit:
-            if self.cfg.fused_step:
-                self._fused(report, progress, modes, logprobs, lone, batched)
-            else:
-                self._step_by_step(report, progress)
-            if first:
-                self._prompts(report, progress)
-        if store is not None:
-            loaded, compiled = store.loaded - before[0], store.compiled - before[1]
-            # a hit: every graph this warm-up needed came from the cache (None: it needed none, all were live)
-            hit = compiled == 0 if loaded or compiled else None
-        report.cache_hit = hit
+        if self.cfg.fused_step:
+            self.modes += [(m, logprobs) for m in modes if (m, logprobs) not in self.modes]
+            lone, batched = lone or self.lone, batched or self.batched  # what earlier warm-ups warmed, for new modes
+            fused = self._fused_plan(ks, lone, batched)
+            plan = self._fused_steps(fused)
+        else:
+            plan = self._step_by_step_steps()
+        if prompts_too:
+            plan += self._prompt_steps()
+        seconds, wall, hit = self.runner.graphs.warm(plan, progress, what)
+        report = WarmupReport(len(plan), wall, seconds, hit)
+        if self.cfg.fused_step:
+            self.lone, self.batched = lone, batched
+            if self.cfg.adaptive_k and len(ks) > 1 and fused:  # one K alone has nothing to be weighed against yet
+                self._time_steps(ks)
+            self.runner.drop_batch()
+        if prompts_too:
+            self.prompts_warm = True
         if progress and report.graphs_compiled:
             cache = {None: "", True: ", compile cache: hit", False: ", compile cache: cold"}[hit]
             later = (f"; K = {', '.join(map(str, sorted(self.deferred)))} when adaptive K first needs it"
@@ -142,7 +142,7 @@ class GraphWarmup:
         if lone and self.shapes.dynamic_batch and 1 in self.runner.batch_sizes and 1 not in sizes:
             sizes = [*sizes, 1]
         plan = [(r, k, mode, lp) for r in sizes for k in ks for mode, lp in self.modes]
-        return [g for g in plan if g not in self.graphs]
+        return [g for g in plan if g not in self.fused_warm]
 
     def _why(self, rows: int, k: int) -> str:
         """What a fused graph is for, as the warm-up bar says it."""
@@ -153,48 +153,30 @@ class GraphWarmup:
         return {self.k_max: "K_max: drafts while acceptance is learned", 0: "plain decoding where drafts do not pay"
                 }.get(k, "adaptive K")
 
-    def _compile_fused(self, plan: list[tuple[int, int, str, bool]], bar: tqdm | None,
-                       report: WarmupReport | None) -> None:
+    def _fused_steps(self, plan: list[tuple[int, int, str, bool]]) -> list[WarmStep]:
+        """Warm-up steps of the fused graphs in ``plan``, each replayed across the block-table widths a run reaches."""
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else [self.max_blocks]
-        for rows, k, mode, logprobs in plan:
+
+        def replay(rows: int, k: int, mode: str, logprobs: bool) -> None:
             batch = dataclasses.replace(self.runner.inert_batch(rows, k), mode=mode, logprobs=logprobs)
+            for width in widths:
+                self.runner.replay(batch, width, None)
+            self.fused_warm.add((rows, k, mode, logprobs))
+
+        steps = []
+        for rows, k, mode, logprobs in plan:
             key = self.runner.spec_graphs.key(rows, k, mode, logprobs)
             # a dynamic-batch key's lone-request graph is its one-row specialisation
             tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
-            if bar is not None:
-                bar.set_postfix_str(f"{tag} ({self._why(rows, k)})")
-            t0 = time.perf_counter()
-            for width in widths:
-                self.runner.replay(batch, width, None)
-            self.graphs.add((rows, k, mode, logprobs))
-            if report is not None:
-                report.seconds_by_graph[tag] = time.perf_counter() - t0
-            if bar is not None:
-                bar.update()
+            steps.append(WarmStep(tag, functools.partial(replay, rows, k, mode, logprobs), self._why(rows, k)))
+        return steps
 
-    def _fused(self, report: WarmupReport, progress: bool, modes: tuple[str, ...], logprobs: bool,
-               lone: bool, batched: bool) -> None:
-        ks = self._warm_ks()
-        self.modes += [(m, logprobs) for m in modes if (m, logprobs) not in self.modes]
-        lone, batched = lone or self.lone, batched or self.batched  # what earlier warm-ups warmed, for new modes
-        plan = self._fused_plan(ks, lone, batched)
-        t_all = time.perf_counter()
-        with tqdm(total=len(plan), desc="compiling graphs", unit="graph", file=sys.stderr,
-                  disable=not progress or not plan, dynamic_ncols=True) as bar:
-            self._compile_fused(plan, bar, report)
-        self.lone, self.batched = lone, batched
-        report.graphs_compiled = len(plan)
-        report.compile_seconds = time.perf_counter() - t_all
-        if self.cfg.adaptive_k and len(ks) > 1 and plan:  # one K alone has nothing to be weighed against yet
-            self._time_steps(ks)
-        self.runner.drop_batch()
-
-    def _prompts(self, report: WarmupReport, progress: bool) -> None:
-        """Compile the prompt graph(s) and the draft chain the prompts' drafts replay: one dynamic-query graph each
-        replayed at a short and the widest width, or one per bucket and width where graphs replay one shape."""
+    def _prompt_steps(self) -> list[WarmStep]:
+        """Warm-up steps of the prompt graph(s) and of the draft chain the prompts' drafts replay: one
+        dynamic-query graph each replayed at a short and the widest width, or one per bucket and width where
+        graphs replay one shape."""
         graph = self.runner.prefill_graph
         assert graph is not None
-        t0 = time.perf_counter()
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
         # first call: rows (2), query (5) and table width (3) distinct, so Dynamo gives each its own symbol
         queries = sorted({min(5, graph.query_widths[-1]), graph.query_widths[-1]}) if graph.query_dynamic else None
@@ -204,15 +186,11 @@ class GraphWarmup:
         per_row = torch.zeros(rows, dtype=torch.long, device=dev)
         table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=dev)
         example = [z, z.clone(), torch.full_like(z, -1), table, per_row, per_row.clone()]
-        times = graph.warmup(example, (self.runner.caches.target,), progress=progress, widths=widths, queries=queries)
-        report.seconds_by_graph.update({f"prefill_bs{b}": t for b, t in times.items()})
-        report.graphs_compiled += len(times)
+        steps = graph.warm_steps(example, (self.runner.caches.target,), widths=widths, queries=queries,
+                                 why="prompts")
         if self.runner.proposer is not None and self.cfg.fused_step:  # the prompts' drafts (step by step warmed it)
-            times = self.runner.proposer.warmup(progress=progress)
-            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
-            report.graphs_compiled += len(times)
-        report.compile_seconds += time.perf_counter() - t0
-        self.prompts_warm = True
+            steps += self.runner.proposer.warm_steps(why="the prompts' drafts")
+        return steps
 
     def _time_steps(self, ks: list[int], rounds: int = 5) -> None:
         """Step cost per bucket of each K in ``ks`` for adaptive K: medians of ``rounds`` rounds, the K values
@@ -248,8 +226,8 @@ class GraphWarmup:
         compiles = dynamo_compile_count()
         if self.progress:
             print(f"ascend-spec: compiling the K = {k} step ({why}) ...", file=sys.stderr, flush=True)
+        self.runner.graphs.warm(self._fused_steps(self._fused_plan([k], self.lone, self.batched)), progress=False)
         with torch.no_grad():
-            self._compile_fused(self._fused_plan([k], self.lone, self.batched), None, None)
             self.deferred.discard(k)
             if self.cfg.adaptive_k and not self.adaptive.step_seconds:
                 self._time_steps(self._warm_ks())
@@ -264,18 +242,15 @@ class GraphWarmup:
         if self.progress:
             print(f"ascend-spec: K = {k} ready in {seconds:.1f} s", file=sys.stderr, flush=True)
 
-    def _step_by_step(self, report: WarmupReport, progress: bool) -> None:
-        t0 = time.perf_counter()
+    def _step_by_step_steps(self) -> list[WarmStep]:
+        """Warm-up steps of the step-by-step path: the target step (the verify) and the draft chain."""
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
         ex = self._inert_target_inputs(self.runner.target_graph.max_size, 1 + self.k_max, self.max_blocks)
-        times = self.runner.target_graph.warmup(ex, (self.runner.caches.target,), progress=progress, widths=widths)
-        report.seconds_by_graph.update({f"target_bs{b}": t for b, t in times.items()})
-        report.graphs_compiled += len(times)
+        steps = self.runner.target_graph.warm_steps(ex, (self.runner.caches.target,), widths=widths,
+                                                    why="the verify")
         if self.runner.proposer is not None:
-            times = self.runner.proposer.warmup(progress=progress)
-            report.seconds_by_graph.update({f"draft_bs{b}": t for b, t in times.items()})
-            report.graphs_compiled += len(times)
-        report.compile_seconds = time.perf_counter() - t0
+            steps += self.runner.proposer.warm_steps()
+        return steps
 
     def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
         """Median seconds of one fused greedy step (``bucket`` rows, K, ``context`` tokens of block table) on an

@@ -42,11 +42,12 @@ import torch
 from ascend_spec import spec_decode
 from ascend_spec.config import SpeculativeConfig
 from ascend_spec.graph.backends import Backend, get_backend
-from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, device_capability, module_refs
-from ascend_spec.graph.backends.compile_cache import CacheKey, open_default_cache
+from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, module_refs
+from ascend_spec.graph.backends.compile_cache import open_default_cache
 from ascend_spec.graph.external import opaque_indices
 from ascend_spec.graph.latent_cache import (LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
                                             describe, same_shape)
+from ascend_spec.graphs import graph_cache_key
 from ascend_spec.inputs import pad_ragged, table_width
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
@@ -282,16 +283,12 @@ class AscendSpecMtpMixin:
             return None
         model_cfg = self.vllm_config.model_config
         attn = self._ascend_model.mtp_layer(0).self_attn
-        key = CacheKey(what="vllm_drafter", model_config=self._ascend_model.cfg.to_hf_dict(), backend=backend.name,
-                       backend_options={"device": str(self.device), "capability": device_capability(self.device),
-                                        "dtype": str(model_cfg.dtype), "vllm": installed_vllm_version(),
-                                        "quantization": model_cfg.quantization or "",
-                                        "absorb": attn.uk_proj.name if attn.uk_proj is not None else "views",
-                                        "tp": [self.ascend_stats.rank, self._ascend_tp],
-                                        "block_size": draft_block_size(self), "kv_layout": self._ascend_kv_layout,
-                                        "max_model_len": self.max_model_len, "batch_sizes": list(sizes),
-                                        "attention": backend.attention_kernel,
-                                        "opaque_externals": opaque_indices(self._ascend_model)})
+        key = graph_cache_key("vllm_drafter", self._ascend_model, backend, self.device, model_cfg.dtype,
+                              vllm=installed_vllm_version(), quantization=model_cfg.quantization or "",
+                              absorb=attn.uk_proj.name if attn.uk_proj is not None else "views",
+                              tp=[self.ascend_stats.rank, self._ascend_tp], block_size=draft_block_size(self),
+                              kv_layout=self._ascend_kv_layout, max_model_len=self.max_model_len,
+                              batch_sizes=list(sizes), opaque_externals=opaque_indices(self._ascend_model))
         return GraphStore(cache, key, external=module_refs(self._ascend_model))
 
     def _bind_cache(self) -> None:

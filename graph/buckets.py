@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -60,6 +61,32 @@ def warm_widths(max_blocks: int, smallest: int = 3, step: int = 8) -> list[int]:
         widths.append(w)
         w *= step
     return widths + [max_blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStep:
+    """One entry of a warm-up plan: ``run`` compiles (or loads, or on CUDA captures) one graph by replaying it on
+    inert inputs; ``tag`` names it in the report, ``why`` tells the progress bar what it is for."""
+
+    tag: str
+    run: Callable[[], None]
+    why: str = ""
+
+
+def run_warm_steps(steps: Sequence[WarmStep], progress: bool = True, desc: str = "compiling graphs"
+                   ) -> dict[str, float]:
+    """Run a warm-up plan under one progress bar on stderr; each step's seconds by its tag."""
+    seconds: dict[str, float] = {}
+    with torch.no_grad(), tqdm(total=len(steps), desc=desc, unit="graph", file=sys.stderr,
+                               disable=not progress or not steps, dynamic_ncols=True) as bar:
+        for step in steps:
+            bar.set_postfix_str(f"{step.tag} ({step.why})" if step.why else step.tag)
+            t0 = time.perf_counter()
+            step.run()
+            seconds[step.tag] = time.perf_counter() - t0
+            logger.info("%s ready in %.2fs", step.tag, seconds[step.tag])
+            bar.update()
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,13 +246,14 @@ class BucketedGraph:
             return tuple(o[:b].clone() for o in outputs)
         return tuple(o[:b] for o in outputs)
 
-    def warmup(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
-               progress: bool = True, widths: Sequence[int] | None = None,
-               queries: Sequence[int] | None = None) -> dict[int, float]:
-        """Compile (and on CUDA capture) every graph, with all rows padded (inert). ``widths``: the block-table
-        widths to replay (see :func:`warm_widths`); ``queries``: the query widths, each replayed at the narrowest
-        table (a dynamic query axis: the widths prefills take); default the examples' own, and on a graph with a
-        query axis that replays one shape per key, every one of ``query_widths``."""
+    def warm_steps(self, example_batch_inputs: Sequence[torch.Tensor], static_inputs: Sequence[object] = (),
+                   widths: Sequence[int] | None = None, queries: Sequence[int] | None = None, why: str = ""
+                   ) -> list[WarmStep]:
+        """The warm-up plan of this graph: one step per compiled graph (or CUDA graph capture), largest rows first,
+        each replaying its graph with all rows padded (inert). ``widths``: the block-table widths to replay (see
+        :func:`warm_widths`); ``queries``: the query widths, each replayed at the narrowest table (a dynamic query
+        axis: the widths prefills take); default the examples' own, and on a graph with a query axis that replays
+        one shape per key, every one of ``query_widths``."""
         if queries is None and self.query_widths and not self.query_dynamic:
             queries = self.query_widths
         tables = list(widths or [None])
@@ -235,7 +263,8 @@ class BucketedGraph:
             # Query widths first (the first call compiles: a query width of 1 + K could equal the row count and
             # share its symbol), at the narrowest table: a wide query over a long context is a large warm-up.
             shapes = [(tables[0], q) for q in queries or []] + [(w, None) for w in tables]
-        for size in tqdm(self.warm_sizes(), desc=f"compile {self.prefix}", disable=not progress):
+
+        def replay(size: int) -> None:
             start = time.perf_counter()
             for width, query in shapes:
                 padded = []
@@ -249,8 +278,9 @@ class BucketedGraph:
                 self._graph(size, query if query is not None else self._example_query(example_batch_inputs))(
                     *padded, *static_inputs, *lengths)
             self.compile_seconds[size] = time.perf_counter() - start
-            logger.info("%s: compiled batch size %d in %.2fs", self.prefix, size, self.compile_seconds[size])
-        return dict(self.compile_seconds)
+
+        return [WarmStep(f"{self.prefix}_bs{size}", lambda size=size: replay(size), why)
+                for size in self.warm_sizes()]
 
     def _example_query(self, batch_inputs: Sequence[torch.Tensor]) -> int | None:
         return batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None

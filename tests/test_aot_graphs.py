@@ -149,7 +149,7 @@ def warm_store(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         eng = Engine(load_model(trained_dir), inductor_config(2))
         eng.warmup(progress=False)
         outs, _, metrics = eng.generate(PROMPTS, SamplingParams(), 24)
-    return root, [o.token_ids for o in outs], metrics, eng.runner.graph_store
+    return root, [o.token_ids for o in outs], metrics, eng.runner.graphs.store
 
 
 def _engine(root: Path, model, monkeypatch: pytest.MonkeyPatch) -> Engine:
@@ -164,7 +164,7 @@ def test_warm_start_loads_every_graph_and_traces_none(warm_store, trained_dir, m
     before = dynamo_compile_count()
     report = eng.warmup(progress=False)
     outs, warm_stats, warm_metrics = eng.generate(PROMPTS, SamplingParams(), 24)
-    store = eng.runner.graph_store
+    store = eng.runner.graphs.store
     assert (store.loaded, store.compiled) == (first.compiled, 0)
     assert dynamo_compile_count() == before and report.cache_hit is True
     assert [o.token_ids for o in outs] == tokens
@@ -179,7 +179,7 @@ def test_loaded_graphs_read_the_weights_of_the_model_they_serve(warm_store, trai
         model.lm_head.weight.neg_()  # same shapes, other weights: the loaded graphs must read these
     eng = _engine(root, model, monkeypatch)
     eng.warmup(progress=False)
-    assert eng.runner.graph_store.compiled == 0
+    assert eng.runner.graphs.store.compiled == 0
     outs, _, _ = eng.generate(PROMPTS, SamplingParams(), 24)
 
     # the same model on the eager reference (greedy tokens equal across backends: test_graph_mode)
@@ -200,7 +200,7 @@ def test_a_corrupt_graph_entry_warns_is_removed_and_compiles(warm_store, trained
         eng.warmup(progress=False)
     warned = [r.getMessage() for r in caplog.records if "ignoring and removing" in r.getMessage()]
     assert len(warned) == 1 and "corrupt" in warned[0], warned
-    store = eng.runner.graph_store
+    store = eng.runner.graphs.store
     assert store.compiled >= 1 and store.loaded == first.compiled - store.compiled
     outs, _, _ = eng.generate(PROMPTS, SamplingParams(), 24)
     assert [o.token_ids for o in outs] == tokens
