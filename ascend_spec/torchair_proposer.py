@@ -5,8 +5,9 @@ torchair on Ascend NPUs, torch.compile elsewhere, or eager. Persistent max-size 
 rows; pad rows are inert (slot -1, seq_len 0) and their outputs are dropped. Prefill and mixed batches (a
 prompt chunk per request, ragged, repacked ``[B, Qmax]``) replay a graph too: where graphs replay one shape
 (torchair, CUDA graphs) the query pads with inert tokens to the next of a few widths, each one more graph per
-bucket; on CPU the query axis is dynamic. Chunks wider than the widest run the eager reference. Every public method keeps
-``MtpProposer``'s signature (a test checks ``inspect.signature``).
+bucket; on CPU the query axis is dynamic. Chunks wider than the widest run the eager reference. Every public
+method of ``MtpProposer`` keeps its signature here (a test checks ``inspect.signature``); ``warm_steps`` adds the
+draft graphs' warm-up plan.
 """
 from __future__ import annotations
 
