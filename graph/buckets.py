@@ -133,7 +133,6 @@ class BucketedGraph:
         self.graphs = compile_per_bucket(backend, fn, prefix, self.sizes, self.dims, keyed)
         self._buffers: dict[tuple[str, int | None], torch.Tensor] = {}
         self._warned_eager = False
-        self.compile_seconds: dict[int, float] = {}
         #: run-time failures of each bucket's compiled graph (each step reran eagerly)
         self.failures: dict[int, int] = {}
 
@@ -265,7 +264,6 @@ class BucketedGraph:
             shapes = [(tables[0], q) for q in queries or []] + [(w, None) for w in tables]
 
         def replay(size: int) -> None:
-            start = time.perf_counter()
             for width, query in shapes:
                 padded = []
                 for arg, x in zip(self.batch_args, example_batch_inputs):
@@ -277,7 +275,6 @@ class BucketedGraph:
                 lengths = ((0,) * size,) if self.host_lengths else ()
                 self._graph(size, query if query is not None else self._example_query(example_batch_inputs))(
                     *padded, *static_inputs, *lengths)
-            self.compile_seconds[size] = time.perf_counter() - start
 
         return [WarmStep(f"{self.prefix}_bs{size}", lambda size=size: replay(size), why)
                 for size in self.warm_sizes()]
