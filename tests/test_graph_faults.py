@@ -92,7 +92,9 @@ def test_failing_graphs_fall_back_to_eager_for_that_step(trained_dir, prompts, c
         # one warning per graph that failed (the first time), not one per failure
         label = "fused step" if name == "fused" else f"{graph.prefix}:"
         assert sum(m.startswith(label) for m in warnings) == len(graph.failures), warnings
-    # the engine keeps serving, through its graphs (a run's prompts prefill in one call: the next run's, again)
+        if name != "prefill":  # a run's prompts prefill in one call: the next run uses it again
+            assert plan.calls > max(plan.fail_on), f"{name}: the graph was not used again after its faults"
+    # the engine keeps serving, through its graphs
     again, _, _ = eng.generate(prompts[0][:2], SamplingParams(), prompts[1][:2])
     assert [o.token_ids for o in again] == reference[:2]
     for name, (graph, plan) in plans.items():
