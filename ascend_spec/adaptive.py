@@ -8,14 +8,15 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   scales the bucket's figures, so K values that do not run keep no stale warm-up figures.
 - What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
   another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
-  replaces its warm-up figure, later ones are averaged). A K that runs for any other reason (K_max while
-  acceptance is learned) only scales.
+  replaces its warm-up figure, later ones are averaged).
 - What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``) and added to a
   step's figure when K is chosen: it differs by K and does not follow the drift.
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
-  threshold); K_max, run while acceptance is learned, is no incumbent. What a change of K costs (rebuild,
-  catch-up) is timed apart per bucket, widens the margin and spaces explorations; the step after a change moves
-  no figure (it runs on the caches the other K left).
+  threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
+  spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
+- Until ``LEARN_DRAFTS`` drafts are verified, a bucket runs each warm drafting K in turn and measures them as it
+  would explore them: its first choice then weighs this run's figures, not warm-up's. K = 0 learns no acceptance;
+  its figure follows the steps until it runs.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
@@ -48,8 +49,11 @@ SWITCH_MARGIN = 0.05
 STOP_MARGIN = 0.15
 #: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
 BETWEEN_PRIOR_STEPS = 64
-#: first-position drafts verified (K_max running) before buckets choose their K: first tokens are a poor sample
+#: first-position drafts verified (each warm drafting K in turn) before buckets choose their K: first tokens are a
+#: poor sample
 LEARN_DRAFTS = 128
+#: steps each warm drafting K runs in turn while acceptance is learned (the first after a change measures nothing)
+LEARN_BLOCK = 8
 #: share of the run explorations may spend on their changes of K (two each)
 EXPLORE_SHARE = 0.05
 #: steps over which a change of K must repay its own cost when a running K gives way
@@ -153,6 +157,9 @@ class AdaptiveK:
     #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
     _since: dict[int, int] = field(default_factory=dict)
     _explorations: dict[int, int] = field(default_factory=dict)
+    #: while acceptance is learned: the steps each bucket ran, and the K values those steps measured
+    _learning_steps: dict[int, int] = field(default_factory=dict)
+    _learned: dict[int, set[int]] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps."""
@@ -169,10 +176,24 @@ class AdaptiveK:
         seen = self.switch_seconds.get(bucket)
         self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
 
+    def learning_k(self, bucket: int, deferred: set[int]) -> int:
+        """The K ``bucket`` drafts while acceptance is learned: each warm drafting K (not ``deferred``) in turn, K_max
+        first, ``LEARN_BLOCK`` steps each. Its steps measure that K's own figure (the K values not yet measured
+        follow them), so that the bucket's first choice weighs this run's figures; K_max where none is measured."""
+        ks = sorted((j for j in self.step_seconds.get(bucket, ()) if j and j not in deferred), reverse=True)
+        if not ks:
+            return self.k_max
+        self._learned.setdefault(bucket, set())
+        n = self._learning_steps[bucket] = self._learning_steps.get(bucket, -1) + 1
+        k = self._exploring[bucket] = ks[n // LEARN_BLOCK % len(ks)]
+        return k
+
     def k_for(self, bucket: int, acceptance: list[float]) -> int:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
+        self._learned.pop(bucket, None)
+        self._learning_steps.pop(bucket, None)
         since = self._since[bucket] = self._since.get(bucket, 0) + 1
         total = {j: c + self.between(bucket, j) for j, c in costs.items()}
         current = self.chosen.get(bucket)
@@ -219,4 +240,11 @@ class AdaptiveK:
             for j in costs:
                 costs[j] *= scale
         else:
+            learned = self._learned.get(bucket)
+            if learned is not None:  # a learning step: the K values it has not measured yet follow it
+                scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
+                for j in costs:
+                    if j != k and j not in learned:
+                        costs[j] *= scale
+                learned.add(k)
             costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])
