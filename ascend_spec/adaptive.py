@@ -14,15 +14,15 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
-- Until ``LEARN_DRAFTS`` drafts are verified, a bucket runs each warm drafting K in turn and measures them as it
-  would explore them: its first choice then weighs this run's figures, not warm-up's. K = 0 learns no acceptance;
-  its figure follows the steps until it runs.
+- Until ``LEARN_DRAFTS`` drafts are verified, a bucket drafts at its best warm drafting K and explores nothing:
+  K = 0 would learn nothing, and its choice then is the incumbent the rest of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
   window (``k_policy.ACCEPTANCE_WINDOW``), and small buckets explore more often while it runs (``explore_every``).
 
-The runs behind each rule and constant: docs/performance.md, "Adaptive K".
+The runs behind each rule and constant: docs/performance.md, "Adaptive K"; what the rules cost in a known world:
+tools/sim_k_policy.py.
 """
 from __future__ import annotations
 
@@ -49,11 +49,9 @@ SWITCH_MARGIN = 0.05
 STOP_MARGIN = 0.15
 #: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
 BETWEEN_PRIOR_STEPS = 64
-#: first-position drafts verified (each warm drafting K in turn) before buckets choose their K: first tokens are a
-#: poor sample
+#: first-position drafts verified (at the best drafting K) before K = 0 is weighed and other K values explored:
+#: first tokens are a poor sample
 LEARN_DRAFTS = 128
-#: steps each warm drafting K runs in turn while acceptance is learned (the first after a change measures nothing)
-LEARN_BLOCK = 8
 #: share of the run explorations may spend on their changes of K (two each)
 EXPLORE_SHARE = 0.05
 #: steps over which a change of K must repay its own cost when a running K gives way
@@ -157,9 +155,6 @@ class AdaptiveK:
     #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
     _since: dict[int, int] = field(default_factory=dict)
     _explorations: dict[int, int] = field(default_factory=dict)
-    #: while acceptance is learned: the steps each bucket ran, and the K values those steps measured
-    _learning_steps: dict[int, int] = field(default_factory=dict)
-    _learned: dict[int, set[int]] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps."""
@@ -176,24 +171,22 @@ class AdaptiveK:
         seen = self.switch_seconds.get(bucket)
         self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
 
-    def learning_k(self, bucket: int, deferred: set[int]) -> int:
-        """The K ``bucket`` drafts while acceptance is learned: each warm drafting K (not ``deferred``) in turn, K_max
-        first, ``LEARN_BLOCK`` steps each. Its steps measure that K's own figure (the K values not yet measured
-        follow them), so that the bucket's first choice weighs this run's figures; K_max where none is measured."""
-        ks = sorted((j for j in self.step_seconds.get(bucket, ()) if j and j not in deferred), reverse=True)
-        if not ks:
+    def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int]) -> int:
+        """The K ``bucket`` drafts while acceptance is learned: the best drafting K for the figures so far among the
+        warm ones (not ``deferred``), K_max where none is measured. K = 0 would learn nothing, and explorations wait
+        for the acceptance they weigh; the choice is the bucket's incumbent, so it changes only for a better K."""
+        costs = self.step_seconds.get(bucket, {})
+        drafting = {j: c + self.between(bucket, j) for j, c in costs.items() if j and j not in deferred}
+        if not drafting:
             return self.k_max
-        self._learned.setdefault(bucket, set())
-        n = self._learning_steps[bucket] = self._learning_steps.get(bucket, -1) + 1
-        k = self._exploring[bucket] = ks[n // LEARN_BLOCK % len(ks)]
-        return k
+        current = self.chosen.get(bucket)
+        self.chosen[bucket] = choose_k(drafting, acceptance, current, bucket, self.switch_steps(bucket, current))
+        return self.chosen[bucket]
 
     def k_for(self, bucket: int, acceptance: list[float]) -> int:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
-        self._learned.pop(bucket, None)
-        self._learning_steps.pop(bucket, None)
         since = self._since[bucket] = self._since.get(bucket, 0) + 1
         total = {j: c + self.between(bucket, j) for j, c in costs.items()}
         current = self.chosen.get(bucket)
@@ -240,11 +233,4 @@ class AdaptiveK:
             for j in costs:
                 costs[j] *= scale
         else:
-            learned = self._learned.get(bucket)
-            if learned is not None:  # a learning step: the K values it has not measured yet follow it
-                scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
-                for j in costs:
-                    if j != k and j not in learned:
-                        costs[j] *= scale
-                learned.add(k)
             costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])

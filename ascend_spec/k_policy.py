@@ -132,8 +132,8 @@ class KPolicy:
             return self.k_max
         elif self.acceptance.offered[0] < LEARN_DRAFTS:
             # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
-            # then learn only from explorations. Draft, each warm drafting K in turn, until some have been verified.
-            return self.costs.learning_k(bucket, deferred)
+            # then learn only from explorations. Draft at the best warm drafting K until some have been verified.
+            return self.costs.learning_k(bucket, self.acceptance.rates(), deferred)
         elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
             # what is left of the run would not repay a compile: the K values warm stay the choice
             return self.k_max if 0 in deferred else self._best_warm(bucket, deferred)

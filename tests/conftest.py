@@ -1,5 +1,7 @@
+import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -159,6 +161,18 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
     return {r["name"]: r for r in json.loads(out.read_text())}
+
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def tool_module(name: str):
+    """A script of tools/, imported as a module."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(TOOLS))
 
 
 def amx_cpu() -> bool:

@@ -24,6 +24,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   (the K = 0 graph missing after acceptance was learned: ``{2} == {0, 2}``).
 - ``draft_wrong_slot``: the draft chain writes each chained draft's cache entry one slot early. Fails
   ``test_graph_model.py::test_draft_chain_writes_only_its_own_slots``.
+- ``learn_at_k_max``: adaptive K drafts K_max while acceptance is learned, whatever its figures favour. Fails
+  ``test_k_policy_sim.py::test_adaptive_k_loses_at_most_its_exploration_to_the_best_fixed_k`` (batch 1) and
+  ``test_fused_step.py::test_adaptive_k_learns_acceptance_at_its_best_warm_drafting_k`` (K_max drafts where K = 1
+  is the best).
 """
 from __future__ import annotations
 
@@ -147,6 +151,14 @@ def deferred_compile_in_step() -> None:
         self.adaptive.pending.discard(k)
 
     GraphWarmup.compile_deferred = compile_deferred
+
+
+@_plant
+def learn_at_k_max() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    # the defect: the policy's figures are not asked while acceptance is learned
+    AdaptiveK.learning_k = lambda self, bucket, acceptance, deferred: self.k_max
 
 
 def plant(name: str) -> None:

@@ -1,14 +1,13 @@
 """The micro-benchmarks in tools/ still run against today's modules (one of them had lost an import it needed)."""
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from .conftest import TOOLS, tool_module
+
 
 
 def run_tool(script: str, *args: str) -> str:
@@ -34,14 +33,6 @@ def test_bench_gemm_times_every_kernel_per_token_count():
 def test_bench_moe_runs_a_shape():
     rows = table_rows(run_tool("bench_moe.py", "--experts", "16", "--topk", "2", "--tokens", "2", "--repeats", "1"))
     assert any(r[:3] == ["16", "2", "2"] for r in rows), rows
-
-
-def tool_module(name: str):
-    sys.path.insert(0, str(TOOLS))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(TOOLS))
 
 
 def bench_module():
