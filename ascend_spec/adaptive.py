@@ -15,7 +15,7 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
 - Until ``LEARN_DRAFTS`` drafts are verified, a bucket drafts at its best warm drafting K and explores nothing:
-  K = 0 would learn nothing, and its choice then is the incumbent the rest of the run must beat.
+  K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
