@@ -9,7 +9,6 @@ import pytest
 from .conftest import TOOLS, tool_module
 
 
-
 def run_tool(script: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, str(TOOLS / script), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"

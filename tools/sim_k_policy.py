@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 from dataclasses import dataclass
 
 from ascend_spec.adaptive import expected_tokens_per_step, rows_apart_cost
@@ -89,12 +90,8 @@ def adaptive_vs_best(world: World, seeds: int = 16) -> dict[int, float]:
         for seed in range(seeds):
             best = max(tokens_per_s(world, batch, k, seed)[0] for k in range(len(BENCH_MS[batch])))
             ratios.append(tokens_per_s(world, batch, None, seed)[0] / best)
-        cells[batch] = sorted(ratios)[len(ratios) // 2]
+        cells[batch] = statistics.median_high(ratios)
     return cells
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values))
 
 
 def main() -> None:
@@ -107,7 +104,7 @@ def main() -> None:
     cells = adaptive_vs_best(world, args.seeds)
     print(f"{world}: adaptive ÷ best fixed K per batch "
           + ", ".join(f"{b}: {r:.3f}" for b, r in cells.items())
-          + f"; geometric mean {geometric_mean(list(cells.values())):.3f}")
+          + f"; geometric mean {statistics.geometric_mean(cells.values()):.3f}")
 
 
 if __name__ == "__main__":
