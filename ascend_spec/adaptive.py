@@ -19,7 +19,8 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
-  window (``k_policy.ACCEPTANCE_WINDOW``), and small buckets explore more often while it runs (``explore_every``).
+  window (``k_policy.ACCEPTANCE_WINDOW``) that each K = 0 step ages as a draft would, and small buckets explore
+  more often while it runs (``explore_every``).
 
 The runs behind each rule and constant: docs/performance.md, "Adaptive K"; what the rules cost in a known world:
 tools/sim_k_policy.py.

@@ -58,6 +58,14 @@ class AcceptanceTracker:
                 self.recent_offered[j] = keep * self.recent_offered[j] + 1
                 self.recent_accepted[j] = keep * self.recent_accepted[j] + hit
 
+    def age(self) -> None:
+        """A step that verified no drafts (K = 0): the window ages as by one draft of each position, so the figures
+        K = 0 was chosen on give way to what explorations verify (with drafts alone, the few an exploration
+        brings took hundreds of steps to outweigh them)."""
+        keep = 1 - 1 / ACCEPTANCE_WINDOW
+        self.recent_offered = [keep * o for o in self.recent_offered]
+        self.recent_accepted = [keep * a for a in self.recent_accepted]
+
     def rates(self) -> list[float]:
         rates, prior = [], 0.5
         for a, o in zip(self.recent_accepted, self.recent_offered):
@@ -141,6 +149,8 @@ class KPolicy:
             if 0 in deferred:
                 warm.compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
             k = self.costs.k_for(bucket, self.acceptance.rates())
+            if k == 0:  # acceptance is learned from explorations alone now: what they verify must count
+                self.acceptance.age()
             why = f"adaptive K expects it to pay at batch {bucket}"
         if k in deferred:
             warm.compile_deferred(k, why)

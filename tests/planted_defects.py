@@ -28,6 +28,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_k_policy_sim.py::test_adaptive_k_loses_at_most_its_exploration_to_the_best_fixed_k`` (batch 1) and
   ``test_fused_step.py::test_adaptive_k_learns_acceptance_at_its_best_warm_drafting_k`` (K_max drafts where K = 1
   is the best).
+- ``acceptance_not_aged``: K = 0 steps leave the acceptance window as it was, so explorations' few drafts must
+  outweigh the figures K = 0 was chosen on. Fails ``test_fused_step.py::test_acceptance_recovers_while_k0_runs``
+  and ``test_k_policy_sim.py::test_adaptive_k_comes_back_from_k0_when_acceptance_rises`` (batches 1 and 2).
 """
 from __future__ import annotations
 
@@ -159,6 +162,14 @@ def learn_at_k_max() -> None:
 
     # the defect: the policy's figures are not asked while acceptance is learned
     AdaptiveK.learning_k = lambda self, bucket, acceptance, deferred: self.k_max
+
+
+@_plant
+def acceptance_not_aged() -> None:
+    from ascend_spec.k_policy import AcceptanceTracker
+
+    # the defect: a step that verified no drafts leaves the window as it was
+    AcceptanceTracker.age = lambda self: None
 
 
 def plant(name: str) -> None:

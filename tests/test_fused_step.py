@@ -15,7 +15,7 @@ from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_E
                                   SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, AdaptiveK, choose_k,
                                   expected_tokens_per_step, explore_every, speedup_limit, stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
-from ascend_spec.k_policy import ACCEPTANCE_WINDOW
+from ascend_spec.k_policy import ACCEPTANCE_WINDOW, KPolicy
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -415,6 +415,30 @@ def test_acceptance_rates_follow_the_recent_drafts():
         t.record(1, 1)
     assert t.rates()[0] > 0.8  # 1 - e^-2 of the way from 0 to 1, less the prior
     assert t.offered == [12 * ACCEPTANCE_WINDOW] and t.accepted == [2 * ACCEPTANCE_WINDOW]
+
+
+def test_acceptance_recovers_while_k0_runs():
+    """Out of K = 0 acceptance is learned only from explorations, a few drafts each: each K = 0 step ages the window
+    as a draft would, so when drafts start to pay the policy drafts again within three windows' steps. Left as
+    it was, the first requests' rejections outweighed what explorations verified for 256 (8 rows) to 511 steps
+    (2 rows), and the run's counts keep every draft either way."""
+
+    class NothingDeferred:
+        deferred: set[int] = set()
+
+    for bucket in (1, 2, 8):
+        policy = KPolicy(2, adaptive=True, batch_sizes=(bucket,))
+        policy.step_seconds[bucket] = {0: 1.0, 1: 1.5, 2: 2.0}
+        for _ in range(LEARN_DRAFTS):
+            policy.record(2, 0)  # the first requests' drafts are all rejected: K = 0 runs
+        steps = 0
+        while steps == 0 or policy.costs.chosen[bucket] == 0:
+            assert steps < 3 * ACCEPTANCE_WINDOW, (bucket, policy.acceptance.rates())
+            k = policy.k_for(bucket, None, NothingDeferred())  # type: ignore[arg-type]
+            for _ in range(bucket):
+                policy.record(k, k)  # from now on every draft is accepted
+            steps += 1
+        assert policy.acceptance.offered[0] == LEARN_DRAFTS + policy.acceptance.accepted[0]
 
 
 def test_live_blocks_cover_the_longest_request():

@@ -9,6 +9,10 @@ times an inert batch at a short context). Fixed K runs in the same world; a cell
 over the best fixed K's (K = 0 included), the median over seeds.
 
     python tools/sim_k_policy.py [--seeds 16] [--noise 0.1] [--drift 0.3] [--warm-error 0.15] [--switch 0.25]
+                                 [--early-acceptance 1.0]
+
+``--early-acceptance F`` scales acceptance by F over each run's first 30% of steps (the first prompts poor): at
+0.4, K = 0 is the best there and drafting afterwards, so adaptive K must come back from K = 0.
 
 The step costs are a bench run's (AVX-512 + AMX, bundled model, equal lengths: ms per step of each fixed K with
 the rows-apart loss taken out, which the simulation puts back); acceptance 0.65 / 0.76 / 0.78.
@@ -32,6 +36,8 @@ ACCEPTANCE = (0.65, 0.76, 0.78)
 STEPS = {1: 1200, 2: 600, 4: 500, 8: 500, 16: 500}
 #: steps over which the machine's speed swings once up and down
 DRIFT_PERIOD = 700
+#: share of a run's steps that ``World.early_acceptance`` applies to
+EARLY_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class World:
     drift: float = 0.3  # amplitude of the slow swing in speed
     warm_error: float = 0.15  # warm-up's figure at K_max is this much under the truth (negative: over)
     switch: float = 0.25  # a change of K, in plain steps
+    early_acceptance: float = 1.0  # acceptance × this over a run's first EARLY_SHARE of steps (first prompts)
 
 
 class _NothingDeferred:
@@ -54,7 +61,8 @@ def step_costs(batch: int) -> dict[int, float]:
 
 def tokens_per_s(world: World, batch: int, k_fixed: int | None, seed: int) -> tuple[float, dict[int, int]]:
     """One run of ``STEPS[batch]`` steps at K = ``k_fixed`` (None: adaptive K), and the steps each K ran."""
-    rng, costs, acceptance = random.Random(seed), step_costs(batch), list(ACCEPTANCE)
+    rng, costs = random.Random(seed), step_costs(batch)
+    early = [a * world.early_acceptance for a in ACCEPTANCE]
     k_max = max(costs)
     policy = KPolicy(k_max, adaptive=True, batch_sizes=(batch,), force_k=k_fixed)
     policy.costs.step_seconds[batch] = {k: c * (1 - world.warm_error * k / k_max) for k, c in costs.items()}
@@ -68,6 +76,7 @@ def tokens_per_s(world: World, batch: int, k_fixed: int | None, seed: int) -> tu
         if switched:
             seconds += world.switch * costs[0] * speed
             policy.observe_switch(batch, world.switch * costs[0] * speed)
+        acceptance = early if step < EARLY_SHARE * STEPS[batch] else list(ACCEPTANCE)
         took = costs[k] * speed * math.exp(rng.gauss(0, world.noise))
         seconds += took
         policy.observe(batch, k, took, 0.0, switched)
