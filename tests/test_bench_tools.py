@@ -1,6 +1,8 @@
 """The micro-benchmarks in tools/ still run against today's modules (one of them had lost an import it needed)."""
 from __future__ import annotations
 
+import random
+import statistics
 import subprocess
 import sys
 
@@ -84,6 +86,35 @@ def test_bench_measures_a_twin_as_adaptive_and_never_counts_it_the_best():
     assert bench.against_best(rows, twin) == [{"batch": 4, "best": "K=2", "ratio": pytest.approx(1.4 / 1.3)}]
 
 
+def test_bench_picks_the_best_on_the_other_rounds_for_each_round():
+    """Per round, the best is the contender with the best median × no-spec over the other rounds, and the round's
+    ratio is that of the two runs of this round; the figure is the median of the rounds' ratios."""
+    bench = bench_module()
+    runs = {name: [bench.Tally(tokens=t, seconds=1.0) for t in tokens] for name, tokens in (
+        ("no-spec", (100, 100, 100)), ("K=1", (120, 120, 100)), ("K=2", (110, 110, 130)), ("adaptive", (115, 125, 125)))}
+    # round 0 and 1 are set against K=2 (1.2 over the rounds left, K=1 1.1), round 2 against K=1 (1.2, K=2 1.1)
+    assert bench.against_held_out_best(runs) == pytest.approx(125 / 110)
+    assert bench.against_held_out_best({name: r[:1] for name, r in runs.items()}) is None  # one round
+
+
+def test_a_copy_of_a_contender_comes_to_1x_the_best_picked_on_the_other_rounds():
+    """Contenders equally fast, each run ±5% noise: picked on the rounds it is measured in, the best is one that rose
+    by noise, and a copy of a contender comes out low; picked on the other rounds, it does not."""
+    bench = bench_module()
+    rng = random.Random(0)
+    names = ["no-spec", "K=1", "K=2", "K=3", bench.twin_name(2)]
+    same_rounds, held_out = [], []
+    for _ in range(100):
+        runs = {n: [bench.Tally(tokens=int(1e4 * rng.lognormvariate(0, 0.05)), seconds=1.0) for _ in range(6)]
+                for n in names}
+        rows = [{"batch": 1, "contender": n, "vs_no_spec": bench.per_round_ratio(runs[n], runs["no-spec"])}
+                for n in names]
+        same_rounds.append(bench.against_best(rows, names[-1])[0]["ratio"])
+        held_out.append(bench.against_held_out_best(runs, names[-1]))
+    assert statistics.geometric_mean(same_rounds) < 0.98
+    assert statistics.geometric_mean(held_out) == pytest.approx(1.0, abs=0.01)
+
+
 def test_bench_prices_adaptive_ks_choices_at_the_fixed_runs_rates():
     """Adaptive K's mix of K priced at each K's fixed run of the same round (tokens and seconds per step), over the
     best's tokens/s, median of rounds: its choices without its own run's noise."""
@@ -113,6 +144,12 @@ def test_bench_sums_up_the_cells_as_geometric_means():
     priced = [{**v, "choices": c} for v, c in zip(versus, (0.81, 1.0))]
     assert bench.summary_lines(priced, [])[1] == (
         "over batches 1, 8: adaptive's choices, priced at the fixed runs' rates, 0.900x the best (geometric mean)")
+    held_out = [{**v, "held_out": h} for v, h in zip(twins, (0.9, 0.9))]
+    assert bench.summary_lines(held_out, held_out) == [
+        "over batches 1, 8: adaptive 0.995x the best other contender (geometric mean)",
+        "over batches 1, 8: adaptive 0.900x the best picked on the other rounds (geometric mean)",
+        "over batches 1, 8: K=2 again 0.995x the best, 0.900x the best picked on the other rounds, 1.000x itself "
+        "(geometric means)"]
 
 
 def test_bench_twin_must_be_one_of_the_fixed_ks():
