@@ -48,7 +48,8 @@ SWITCH_MARGIN = 0.05
 #: ... and a lone request leaves speculation only for this much more (a bucket of b rows: this / b, at least
 #: SWITCH_MARGIN): a wrong K = 0 is corrected only by explorations, and the return pays a catch-up
 STOP_MARGIN = 0.15
-#: pseudo-steps with nothing between them that each K's ``between`` average starts from: prefills come in lumps
+#: pseudo-steps at the bucket's average over every K that each K's ``between`` average starts from: prefills come
+#: in lumps, and a K explored on a few steps must not be priced as if nothing ran between its steps
 BETWEEN_PRIOR_STEPS = 64
 #: first-position drafts verified (at the best drafting K) before K = 0 is weighed and other K values explored:
 #: first tokens are a poor sample
@@ -158,9 +159,11 @@ class AdaptiveK:
     _explorations: dict[int, int] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
-        """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps."""
-        seconds = self.between_seconds.get(bucket, {}).get(k, 0.0)
-        return seconds / (self.between_steps.get(bucket, {}).get(k, 0) + BETWEEN_PRIOR_STEPS)
+        """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps: its own steps'
+        average, drawn towards the bucket's average over every K by ``BETWEEN_PRIOR_STEPS`` pseudo-steps."""
+        sums, steps = self.between_seconds.get(bucket, {}), self.between_steps.get(bucket, {})
+        pooled = sum(sums.values()) / sum(steps.values()) if steps else 0.0
+        return (sums.get(k, 0.0) + BETWEEN_PRIOR_STEPS * pooled) / (steps.get(k, 0) + BETWEEN_PRIOR_STEPS)
 
     def switch_steps(self, bucket: int, k: int | None) -> float:
         """What a change of K costs ``bucket``, in steps of K = ``k`` (0 before one was timed)."""
