@@ -9,8 +9,9 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
 - What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
   another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
   replaces its warm-up figure, later ones are averaged).
-- What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``) and added to a
-  step's figure when K is chosen: it differs by K and does not follow the drift.
+- What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``), drawn towards
+  the bucket's average over every K, and added to a step's figure when K is chosen: it differs by K and does not
+  follow the drift.
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
