@@ -31,6 +31,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``acceptance_not_aged``: K = 0 steps leave the acceptance window as it was, so explorations' few drafts must
   outweigh the figures K = 0 was chosen on. Fails ``test_fused_step.py::test_acceptance_recovers_while_k0_runs``
   and ``test_k_policy_sim.py::test_adaptive_k_comes_back_from_k0_when_acceptance_rises`` (batches 1 and 2).
+- ``between_from_nothing``: a K's between-steps figure starts from nothing, not from the bucket's average, so a K
+  explored on a few steps looks cheap. Fails
+  ``test_fused_step.py::test_a_k_explored_on_a_few_steps_is_priced_at_the_buckets_between_not_at_nothing`` and
+  ``test_fused_step.py::test_what_runs_between_steps_counts_per_k_and_large_buckets_stop_for_less``.
 """
 from __future__ import annotations
 
@@ -170,6 +174,18 @@ def acceptance_not_aged() -> None:
 
     # the defect: a step that verified no drafts leaves the window as it was
     AcceptanceTracker.age = lambda self: None
+
+
+@_plant
+def between_from_nothing() -> None:
+    from ascend_spec.adaptive import BETWEEN_PRIOR_STEPS, AdaptiveK
+
+    # the defect: the pseudo-steps each K's average starts from had nothing between them
+    def between(self, bucket: int, k: int) -> float:
+        seconds = self.between_seconds.get(bucket, {}).get(k, 0.0)
+        return seconds / (self.between_steps.get(bucket, {}).get(k, 0) + BETWEEN_PRIOR_STEPS)
+
+    AdaptiveK.between = between
 
 
 def plant(name: str) -> None:

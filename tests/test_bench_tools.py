@@ -90,8 +90,8 @@ def test_bench_picks_the_best_on_the_other_rounds_for_each_round():
     """Per round, the best is the contender with the best median × no-spec over the other rounds, and the round's
     ratio is that of the two runs of this round; the figure is the median of the rounds' ratios."""
     bench = bench_module()
-    runs = {name: [bench.Tally(tokens=t, seconds=1.0) for t in tokens] for name, tokens in (
-        ("no-spec", (100, 100, 100)), ("K=1", (120, 120, 100)), ("K=2", (110, 110, 130)), ("adaptive", (115, 125, 125)))}
+    tokens = {"no-spec": (100, 100, 100), "K=1": (120, 120, 100), "K=2": (110, 110, 130), "adaptive": (115, 125, 125)}
+    runs = {name: [bench.Tally(tokens=t, seconds=1.0) for t in per_round] for name, per_round in tokens.items()}
     # round 0 and 1 are set against K=2 (1.2 over the rounds left, K=1 1.1), round 2 against K=1 (1.2, K=2 1.1)
     assert bench.against_held_out_best(runs) == pytest.approx(125 / 110)
     assert bench.against_held_out_best({name: r[:1] for name, r in runs.items()}) is None  # one round
@@ -150,6 +150,19 @@ def test_bench_sums_up_the_cells_as_geometric_means():
         "over batches 1, 8: adaptive 0.900x the best picked on the other rounds (geometric mean)",
         "over batches 1, 8: K=2 again 0.995x the best, 0.900x the best picked on the other rounds, 1.000x itself "
         "(geometric means)"]
+
+
+def test_bench_names_the_cpu_beyond_torchs_capability():
+    """Torch's capability reads AVX512 on a Xeon with AMX and on an AMD EPYC without: the bench's header names the
+    CPU model (where the OS tells it), the capability, AMX tiles where present, and the threads."""
+    import platform
+
+    import torch
+
+    kind = bench_module().cpu_kind()
+    assert f"({torch.backends.cpu.get_cpu_capability()}" in kind and kind.endswith(f"{torch.get_num_threads()} threads")
+    amx = platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
+    assert (", AMX)" in kind) == amx
 
 
 def test_bench_twin_must_be_one_of_the_fixed_ks():

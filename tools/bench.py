@@ -380,9 +380,7 @@ def main() -> None:
                   f"({row['best']}), {fmt(twins[-1]['held_out'])}x the best picked on the other rounds", flush=True)
     for line in summary_lines(versus, twins):
         print(line, flush=True)
-    isa = torch.backends.cpu.get_cpu_capability()
-    machine = (torch.cuda.get_device_name() if eng.device.type == "cuda"
-               else f"{platform.machine()} ({isa}), {torch.get_num_threads()} threads")
+    machine = torch.cuda.get_device_name() if eng.device.type == "cuda" else cpu_kind()
     meta = {"model": args.model.name, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": machine, "device": args.device, "max_tokens": args.max_tokens,
@@ -400,6 +398,18 @@ def main() -> None:
                        + (f" --dtype {args.dtype}" if args.dtype else "")}
     write_report(args.out, rows, list(accounts.values()), meta, versus, twins)
     print(f"wrote {args.out}/results.md and plots")
+
+
+def cpu_kind() -> str:
+    """The CPU the bench ran on: its model name, torch's capability and whether it has AMX tiles, and the threads.
+    Torch's capability alone reads ``AVX512`` on a Xeon with AMX and on an AMD EPYC without, whose figures differ."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    amx = ", AMX" if platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported() else ""
+    name = f"{names[0]}, " if names else ""
+    return (f"{name}{platform.machine()} ({torch.backends.cpu.get_cpu_capability()}{amx}), "
+            f"{torch.get_num_threads()} threads")
 
 
 #: the default must not lose: adaptive K's tokens/s against the best of no-spec and every fixed K, per batch

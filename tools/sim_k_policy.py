@@ -61,8 +61,8 @@ def step_costs(batch: int) -> dict[int, float]:
 
 def tokens_per_s(world: World, batch: int, k_fixed: int | None, seed: int) -> tuple[float, dict[int, int]]:
     """One run of ``STEPS[batch]`` steps at K = ``k_fixed`` (None: adaptive K), and the steps each K ran."""
-    rng, costs = random.Random(seed), step_costs(batch)
-    early = [a * world.early_acceptance for a in ACCEPTANCE]
+    rng, costs, late = random.Random(seed), step_costs(batch), list(ACCEPTANCE)
+    early = [a * world.early_acceptance for a in late]
     k_max = max(costs)
     policy = KPolicy(k_max, adaptive=True, batch_sizes=(batch,), force_k=k_fixed)
     policy.costs.step_seconds[batch] = {k: c * (1 - world.warm_error * k / k_max) for k, c in costs.items()}
@@ -76,7 +76,7 @@ def tokens_per_s(world: World, batch: int, k_fixed: int | None, seed: int) -> tu
         if switched:
             seconds += world.switch * costs[0] * speed
             policy.observe_switch(batch, world.switch * costs[0] * speed)
-        acceptance = early if step < EARLY_SHARE * STEPS[batch] else list(ACCEPTANCE)
+        acceptance = early if step < EARLY_SHARE * STEPS[batch] else late
         took = costs[k] * speed * math.exp(rng.gauss(0, world.noise))
         seconds += took
         policy.observe(batch, k, took, 0.0, switched)
