@@ -15,8 +15,9 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
-- Until ``LEARN_DRAFTS`` drafts are verified, a bucket drafts at its best warm drafting K and explores nothing:
-  K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
+- Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
+  drafting K and explores nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest
+  of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
@@ -55,6 +56,9 @@ BETWEEN_PRIOR_STEPS = 64
 #: first-position drafts verified (at the best drafting K) before K = 0 is weighed and other K values explored:
 #: first tokens are a poor sample
 LEARN_DRAFTS = 128
+#: ... and decode steps run, at least: at batch b the first LEARN_DRAFTS drafts are the first LEARN_DRAFTS / b
+#: tokens of the first requests (8 at batch 16), the poorest a request drafts
+LEARN_STEPS = 64
 #: share of the run explorations may spend on their changes of K (two each)
 EXPLORE_SHARE = 0.05
 #: steps over which a change of K must repay its own cost when a running K gives way

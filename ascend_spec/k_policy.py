@@ -12,7 +12,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .adaptive import LEARN_DRAFTS, AdaptiveK, choose_k
+from .adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, choose_k
 from .fused_step import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -101,6 +101,8 @@ class KPolicy:
     costs: AdaptiveK = field(init=False)
     #: run every fused step at this K (0..K_max; its graphs must be warm: adaptive K warms them all)
     force_k: int | None = None
+    #: steps adaptive K has drafted at its learning K (``LEARN_STEPS``)
+    learning_steps: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.adaptive = bool(self.adaptive and self.k_max)
@@ -138,9 +140,11 @@ class KPolicy:
             k, why = self.force_k, "asked for"
         elif not self.adaptive:
             return self.k_max
-        elif self.acceptance.offered[0] < LEARN_DRAFTS:
+        elif self.acceptance.offered[0] < LEARN_DRAFTS or self.learning_steps < LEARN_STEPS:
             # Acceptance is learned only from drafts, and the prior (1/2 a position) can favour K = 0, which would
-            # then learn only from explorations. Draft at the best warm drafting K until some have been verified.
+            # then learn only from explorations. Draft at the best warm drafting K until some have been verified,
+            # over steps enough that they are not only the first tokens of the first requests.
+            self.learning_steps += 1
             return self.costs.learning_k(bucket, self.acceptance.rates(), deferred)
         elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
             # what is left of the run would not repay a compile: the K values warm stay the choice

@@ -35,6 +35,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   explored on a few steps looks cheap. Fails
   ``test_fused_step.py::test_a_k_explored_on_a_few_steps_is_priced_at_the_buckets_between_not_at_nothing`` and
   ``test_fused_step.py::test_what_runs_between_steps_counts_per_k_and_large_buckets_stop_for_less``.
+- ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
+  ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 """
 from __future__ import annotations
 
@@ -186,6 +188,14 @@ def between_from_nothing() -> None:
         return seconds / (self.between_steps.get(bucket, {}).get(k, 0) + BETWEEN_PRIOR_STEPS)
 
     AdaptiveK.between = between
+
+
+@_plant
+def learn_drafts_only() -> None:
+    from ascend_spec import k_policy
+
+    # the defect: as many drafts as LEARN_DRAFTS end learning, in however few steps (the first tokens only)
+    k_policy.LEARN_STEPS = 0
 
 
 def plant(name: str) -> None:

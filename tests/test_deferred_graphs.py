@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ascend_spec.adaptive import LEARN_DRAFTS, AdaptiveK, interpolated_costs
+from ascend_spec.adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
 from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
 from ascend_spec import k_policy
@@ -73,6 +73,7 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
 
     for _ in range(LEARN_DRAFTS):  # acceptance learnt
         runner.k_policy.record(2, 1)
+    runner.k_policy.learning_steps = LEARN_STEPS
     # requests this short would not repay a compile: K_max goes on
     got, stats, _ = eng.generate(prompts, SamplingParams(), [24, 24])
     assert stats.steps_per_k == {2: stats.num_steps} and stats.deferred_compiles == 0
