@@ -28,6 +28,12 @@ MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingPa
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
 
 
+class _NothingDeferred:
+    """A warm-up stand-in for KPolicy.k_for with every graph warm (only its ``deferred`` is read)."""
+
+    deferred: set[int] = set()
+
+
 def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128, padded: bool = True):
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded) if k else None
     return load_engine(model_dir, EngineConfig(max_model_len=max_model_len, max_num_seqs=4, speculative=spec,
@@ -150,19 +156,16 @@ def test_adaptive_k_learns_over_steps_as_well_as_drafts():
     poorest a request drafts (bench, batch 4, mixed lengths: 0.43-0.46 at the first choice, K = 0 chosen on it, where
     fixed K = 1 made 1.14x plain decoding): learning goes on until LEARN_STEPS steps have run as well."""
 
-    class NothingDeferred:
-        deferred: set[int] = set()
-
     policy = KPolicy(2, adaptive=True, batch_sizes=(16,))
     policy.step_seconds[16] = {0: 1.0, 1: 1.2, 2: 1.4}
     ks = []
     for _ in range(LEARN_STEPS):
-        ks.append(policy.k_for(16, None, NothingDeferred()))  # type: ignore[arg-type]
+        ks.append(policy.k_for(16, None, _NothingDeferred()))  # type: ignore[arg-type]
         for _ in range(16):
             policy.record(ks[-1], 0)  # 16 drafts a step, every one rejected: LEARN_DRAFTS after 8 steps
     assert ks == [ks[0]] * LEARN_STEPS and ks[0] > 0  # drafting all along
     assert policy.acceptance.offered[0] == 16 * LEARN_STEPS > LEARN_DRAFTS
-    assert policy.k_for(16, None, NothingDeferred()) == 0  # learned: drafts do not pay
+    assert policy.k_for(16, None, _NothingDeferred()) == 0  # learned: drafts do not pay
 
 
 def test_choose_k_weighs_cost_against_acceptance():
@@ -463,9 +466,6 @@ def test_acceptance_recovers_while_k0_runs():
     it was, the first requests' rejections outweighed what explorations verified for 256 (8 rows) to 511 steps
     (2 rows), and the run's counts keep every draft either way."""
 
-    class NothingDeferred:
-        deferred: set[int] = set()
-
     for bucket in (1, 2, 8):
         policy = KPolicy(2, adaptive=True, batch_sizes=(bucket,))
         policy.step_seconds[bucket] = {0: 1.0, 1: 1.5, 2: 2.0}
@@ -475,7 +475,7 @@ def test_acceptance_recovers_while_k0_runs():
         steps = 0
         while steps == 0 or policy.costs.chosen[bucket] == 0:
             assert steps < 3 * ACCEPTANCE_WINDOW, (bucket, policy.acceptance.rates())
-            k = policy.k_for(bucket, None, NothingDeferred())  # type: ignore[arg-type]
+            k = policy.k_for(bucket, None, _NothingDeferred())  # type: ignore[arg-type]
             for _ in range(bucket):
                 policy.record(k, k)  # from now on every draft is accepted
             steps += 1
