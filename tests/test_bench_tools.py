@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from .conftest import TOOLS, tool_module
+from .conftest import TOOLS, amx_cpu, tool_module
 
 
 def run_tool(script: str, *args: str) -> str:
@@ -155,14 +155,11 @@ def test_bench_sums_up_the_cells_as_geometric_means():
 def test_bench_names_the_cpu_beyond_torchs_capability():
     """Torch's capability reads AVX512 on a Xeon with AMX and on an AMD EPYC without: the bench's header names the
     CPU model (where the OS tells it), the capability, AMX tiles where present, and the threads."""
-    import platform
-
     import torch
 
     kind = bench_module().cpu_kind()
     assert f"({torch.backends.cpu.get_cpu_capability()}" in kind and kind.endswith(f"{torch.get_num_threads()} threads")
-    amx = platform.machine().lower() in ("x86_64", "amd64") and torch.cpu._is_amx_tile_supported()
-    assert (", AMX)" in kind) == amx
+    assert (", AMX)" in kind) == amx_cpu()
 
 
 def test_bench_twin_must_be_one_of_the_fixed_ks():

@@ -155,7 +155,6 @@ def test_adaptive_k_learns_over_steps_as_well_as_drafts():
     """At batch b the first LEARN_DRAFTS drafts are the first LEARN_DRAFTS / b tokens of the first requests, the
     poorest a request drafts (bench, batch 4, mixed lengths: 0.43-0.46 at the first choice, K = 0 chosen on it, where
     fixed K = 1 made 1.14x plain decoding): learning goes on until LEARN_STEPS steps have run as well."""
-
     policy = KPolicy(2, adaptive=True, batch_sizes=(16,))
     policy.step_seconds[16] = {0: 1.0, 1: 1.2, 2: 1.4}
     ks = []
@@ -465,15 +464,15 @@ def test_acceptance_recovers_while_k0_runs():
     as a draft would, so when drafts start to pay the policy drafts again within three windows' steps. Left as
     it was, the first requests' rejections outweighed what explorations verified for 256 (8 rows) to 511 steps
     (2 rows), and the run's counts keep every draft either way."""
-
     for bucket in (1, 2, 8):
         policy = KPolicy(2, adaptive=True, batch_sizes=(bucket,))
         policy.step_seconds[bucket] = {0: 1.0, 1: 1.5, 2: 2.0}
         for _ in range(LEARN_DRAFTS):
             policy.record(2, 0)  # the first requests' drafts are all rejected: K = 0 runs
         policy.learning_steps = LEARN_STEPS
-        steps = 0
-        while steps == 0 or policy.costs.chosen[bucket] == 0:
+        assert policy.k_for(bucket, None, _NothingDeferred()) == 0  # type: ignore[arg-type]
+        steps = 1
+        while policy.costs.chosen[bucket] == 0:
             assert steps < 3 * ACCEPTANCE_WINDOW, (bucket, policy.acceptance.rates())
             k = policy.k_for(bucket, None, _NothingDeferred())  # type: ignore[arg-type]
             for _ in range(bucket):
