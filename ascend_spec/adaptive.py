@@ -14,7 +14,8 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   follow the drift.
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
-  spaces explorations; the step after a change moves no figure (it runs on the caches the other K left).
+  spaces explorations; the step after a change moves no figure (it runs on the caches the other K left). A K
+  that takes over corrects its own figure on its first ``TAKEOVER_STEPS`` steady steps, then scales every K's.
 - Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
   drafting K and explores nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest
   of the run must beat.
@@ -43,6 +44,11 @@ COST_SMOOTHING = 0.2
 #: an explored K's n-th measured step weighs 1/n down to this: the first replaces the warm-up figure, later ones
 #: average out one step's noise instead of following it
 EXPLORE_SMOOTHING = 0.2
+#: steady steps of a K that has just taken over that move its own figure, not every K's: it was priced on
+#: explorations, single steps among another K's, which ran under its steady steps (batch 1: K = 3 at 8.2 ms
+#: explored, 9.0 ms in a run of its own), so scaling every K by them kept the error and held the K for hundreds of
+#: steps
+TAKEOVER_STEPS = 16
 #: a step counts at most this multiple of its K's running cost: one stalled step must not move the figures far
 OBSERVE_CLIP = 1.5
 #: a running K gives way only to one expected to yield this much more per second: each change costs a rebuild
@@ -162,6 +168,8 @@ class AdaptiveK:
     #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
     _since: dict[int, int] = field(default_factory=dict)
     _explorations: dict[int, int] = field(default_factory=dict)
+    #: steady steps left per bucket in which the K that took over corrects its own figure (``TAKEOVER_STEPS``)
+    _taking_over: dict[int, int] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps: its own steps'
@@ -203,6 +211,8 @@ class AdaptiveK:
         if current is None and drafting:  # the first choice: the best drafting K is the incumbent K = 0 must beat
             current = choose_k(drafting, acceptance, None, bucket)
         k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current))
+        if current is not None and k != current:
+            self._taking_over[bucket] = TAKEOVER_STEPS
         self._exploring[bucket] = None
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
         if since > every - EXPLORE_STEPS:
@@ -220,8 +230,8 @@ class AdaptiveK:
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
                 switched: bool = False) -> None:
         """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
-        known, or K changed). An explored K's step moves its own figure; any other step's scales every K's figure
-        (drift they share). ``between`` adds to this K's own average of what runs between steps. The first step
+        known, or K changed). An explored K's step moves its own figure, as do the first ``TAKEOVER_STEPS`` steady
+        steps of a K that took over; any other step's scales every K's figure (drift they share). ``between`` adds to this K's own average of what runs between steps. The first step
         after a change of K (``switched``) moves nothing: it runs on the caches the other K left, so its time is
         the change's, and an exploration's first step would price its K too dear."""
         costs = self.step_seconds.get(bucket)
@@ -237,9 +247,12 @@ class AdaptiveK:
         seen = min(seconds, OBSERVE_CLIP * costs[k])
         measured = self.measured.setdefault(bucket, {})
         measured[k] = measured.get(k, 0) + 1
-        if k != self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
+        if k == self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
+            costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])
+        elif self._taking_over.get(bucket) and k == self.chosen.get(bucket):
+            self._taking_over[bucket] -= 1
+            costs[k] += COST_SMOOTHING * (seen - costs[k])
+        else:
             scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
             for j in costs:
                 costs[j] *= scale
-        else:
-            costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])

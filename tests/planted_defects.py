@@ -35,6 +35,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   explored on a few steps looks cheap. Fails
   ``test_fused_step.py::test_a_k_explored_on_a_few_steps_is_priced_at_the_buckets_between_not_at_nothing`` and
   ``test_fused_step.py::test_what_runs_between_steps_counts_per_k_and_large_buckets_stop_for_less``.
+- ``takeover_scales_every_k``: a K that takes over scales every K's figure by its steps from the first, so a K
+  explored cheap keeps its error. Fails
+  ``test_fused_step.py::test_a_k_that_takes_over_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap``.
 - ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 """
@@ -196,6 +199,14 @@ def learn_drafts_only() -> None:
 
     # the defect: as many drafts as LEARN_DRAFTS end learning, in however few steps (the first tokens only)
     k_policy.LEARN_STEPS = 0
+
+
+@_plant
+def takeover_scales_every_k() -> None:
+    from ascend_spec import adaptive
+
+    # the defect: no steps in which a K that took over corrects its own figure
+    adaptive.TAKEOVER_STEPS = 0
 
 
 def plant(name: str) -> None:

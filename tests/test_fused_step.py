@@ -12,7 +12,8 @@ from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
                                   EXPLORE_SHARE, ROWS_APART_PER_TOKEN, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
-                                  STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, AdaptiveK, choose_k,
+                                  STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
+                                  AdaptiveK, choose_k,
                                   expected_tokens_per_step, explore_every, speedup_limit, stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.k_policy import ACCEPTANCE_WINDOW, KPolicy
@@ -239,6 +240,25 @@ def test_the_first_step_after_a_change_of_k_moves_no_figure():
     assert policy.step_seconds[8] == pytest.approx({0: 0.9, 1: 1.5, 2: 2.0})
     policy.observe(8, 2, 2.2)
     assert policy.step_seconds[8][2] == pytest.approx(2.0 * (1 + COST_SMOOTHING * 0.1))
+
+
+def test_a_k_that_takes_over_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap():
+    """An explored K is priced on lone steps among another K's, which ran under its steady steps (batch 1: K = 3 at
+    8.2 ms explored, 9.0 in a run of its own). Taking over on such a figure, its first steady steps correct its own
+    figure, not every K's: the K it took over from keeps its figure, and the run goes back to it within
+    TAKEOVER_STEPS. Scaling every K by them kept the error (traced: K = 3 held 226 steps where K = 1 was better)."""
+    acceptance, true = [0.8, 0.8], {1: 1.3, 2: 1.9}  # K = 2 at 1.9: 7% under K = 1 per second
+    policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.3, 2: 1.6}}, chosen={1: 1})  # K = 2 explored cheap
+    ks, previous = [], 1
+    for _ in range(2 * TAKEOVER_STEPS):
+        k = policy.k_for(1, acceptance)
+        policy.observe(1, k, true[k], switched=k != previous)
+        ks.append(previous := k)
+    assert ks[0] == 2 and 1 in ks, ks  # taken over on its cheap figure, then given back
+    back = ks.index(1)
+    assert back <= TAKEOVER_STEPS and ks[back:] == [1] * (len(ks) - back), ks  # and given back, for good
+    assert policy.step_seconds[1][1] == pytest.approx(1.3)  # K = 1's figure was not scaled by K = 2's steps
+    assert policy.step_seconds[1][2] > 1.85  # K = 2's own figure learned its steady cost
 
 
 def test_explored_figures_replace_warm_up_then_average_their_steps():
