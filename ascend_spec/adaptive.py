@@ -231,9 +231,10 @@ class AdaptiveK:
                 switched: bool = False) -> None:
         """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
         known, or K changed). An explored K's step moves its own figure, as do the first ``TAKEOVER_STEPS`` steady
-        steps of a K that took over; any other step's scales every K's figure (drift they share). ``between`` adds to this K's own average of what runs between steps. The first step
-        after a change of K (``switched``) moves nothing: it runs on the caches the other K left, so its time is
-        the change's, and an exploration's first step would price its K too dear."""
+        steps of a K that took over; any other step's scales every K's figure (drift they share). ``between`` adds
+        to this K's own average of what runs between steps. The first step after a change of K (``switched``)
+        moves nothing: it runs on the caches the other K left, so its time is the change's, and an exploration's
+        first step would price its K too dear."""
         costs = self.step_seconds.get(bucket)
         if costs is None or k not in costs:
             return

@@ -13,8 +13,8 @@ from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_E
                                   EXPLORE_SHARE, ROWS_APART_PER_TOKEN, rows_apart_cost, tokens_per_second,
                                   EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
                                   STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
-                                  AdaptiveK, choose_k,
-                                  expected_tokens_per_step, explore_every, speedup_limit, stop_margin)
+                                  AdaptiveK, choose_k, expected_tokens_per_step, explore_every, speedup_limit,
+                                  stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.k_policy import ACCEPTANCE_WINDOW, KPolicy
 from ascend_spec.sampling import SamplingParams
