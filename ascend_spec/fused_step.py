@@ -51,7 +51,7 @@ class SpecPhases:
       logits)``: the target forward of ``1 + K`` tokens per row (``K = 0``: one token, plain decoding);
     - ``accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)`` → ``(sampled,
       *logprobs)``: rejection sampling (and the top logprobs);
-    - ``propose(input_ids, start, sampled, nd, pos, hidden, slots, block_table, seq_lens, draft_cache)`` →
+    - ``propose(input_ids, start, sampled, pos, hidden, slots, block_table, seq_lens, draft_cache)`` →
       ``(valid, next_input, next_start)``: next tokens, and the K-step draft chain for the next step.
     """
 
@@ -63,7 +63,7 @@ class SpecPhases:
 #: batch (dim 0) and block-table width (dim 1) arguments of each phase
 PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,), pools_from=5),
               "accept": DynamicDims(batch=tuple(range(9))),
-              "propose": DynamicDims(batch=tuple(range(9)), width=(7,), pools_from=9)}
+              "propose": DynamicDims(batch=tuple(range(8)), width=(6,), pools_from=8)}
 
 
 def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
@@ -102,19 +102,16 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
         extra = top_logprobs(logits, sampled, n_logprobs) if logprobs else ()
         return sampled, *extra
 
-    def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, nd: torch.Tensor,
-                pos: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
-                seq_lens: torch.Tensor, draft_cache: LatentCache, seq_lens_host: HostLengths = None
-                ) -> tuple[torch.Tensor, ...]:
+    def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, pos: torch.Tensor,
+                hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                draft_cache: LatentCache, seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, ...]:
         b = input_ids.shape[0]
         if draft is None:
             valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
             return valid, sampled.long(), start + 1
         discard = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
         next_ids, valid = spec_decode.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0], vocab)
-        qsl = torch.arange(b + 1, device=input_ids.device) * q
-        token_indices, _ = spec_decode.prepare_inputs_padded(qsl, nd, valid)
-        sample_idx = token_indices - qsl[:-1]
+        sample_idx = spec_decode.sample_indices_in_padded_rows(valid)
         if unpadded:
             input_ids, pos, hidden, slots, seq_lens = spec_decode.compact_rejected(input_ids, pos, hidden, slots,
                                                                                     seq_lens, sample_idx)
@@ -155,8 +152,8 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
                                                                  caches, seq_lens_host)
         sampled, *extra = phases.accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform,
                                         exponential)
-        valid, next_input, next_start = phases.propose(input_ids, start, sampled, nd, pos, hidden, slots,
-                                                       block_table, seq_lens, draft_cache, seq_lens_host)
+        valid, next_input, next_start = phases.propose(input_ids, start, sampled, pos, hidden, slots, block_table,
+                                                       seq_lens, draft_cache, seq_lens_host)
         return (sampled, valid, next_input, next_start, *extra) + ((hidden[:, 0],) if keep else ())
 
     return spec_step

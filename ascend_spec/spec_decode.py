@@ -77,6 +77,18 @@ def prepare_inputs_padded(
     return token_indices_to_sample, num_rejected
 
 
+def sample_indices_in_padded_rows(valid_sampled_tokens_count: torch.Tensor) -> torch.Tensor:
+    """Where each row's last accepted hidden state is, counted from the row's first slot, where every row of the
+    verify batch takes the same ``1 + K`` slots and verified its ``num_draft <= K`` drafts in the first
+    ``1 + num_draft`` of them: ``valid - 1`` (0 for a discarded row, whose draft the caller drops).
+
+    :func:`prepare_inputs_padded` counts back from the end of each request's own span, which in this layout is the
+    end of the row: ``K - num_draft`` slots past the last accepted token of a row that verified fewer drafts than
+    K (the first step after a change to a larger K, a row near ``max_model_len``).
+    """
+    return (valid_sampled_tokens_count.long() - 1).clamp(min=0)
+
+
 def prepare_inputs(
     query_start_loc_cpu: torch.Tensor,
     num_rejected_tokens: torch.Tensor,

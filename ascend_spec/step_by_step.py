@@ -73,7 +73,7 @@ class StepByStep:
                 discard = torch.zeros(b, dtype=torch.bool, device=dev)
                 next_ids, valid = r.proposer.prepare_next_token_ids_padded(sampled, discard, input_ids[:, 0])
                 drafts = self._draft(input_ids, positions, hidden, slots, table, seq_lens, next_ids, valid,
-                                     num_draft_t, lens_host)
+                                     lens_host)
         n_logprobs = max((s.params.logprobs or 0 for s in running), default=0)
         want_logprobs = any(s.params.logprobs is not None for s in running)
         lp = top_logprobs(logits[:, : sampled.shape[1]], sampled, n_logprobs) if want_logprobs else None
@@ -88,13 +88,10 @@ class StepByStep:
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,
-               num_draft: torch.Tensor, lens_host: tuple[int, ...] | None) -> torch.Tensor:
+               lens_host: tuple[int, ...] | None) -> torch.Tensor:
         proposer, spec = self.runner.proposer, self.runner.spec
         assert proposer is not None and spec is not None
-        b, q = input_ids.shape
-        qsl = torch.arange(b + 1, device=input_ids.device) * q
-        token_indices, _ = proposer.prepare_inputs_padded(qsl, num_draft, valid)
-        sample_idx = token_indices - qsl[:-1]
+        sample_idx = spec_decode.sample_indices_in_padded_rows(valid)
         if spec.disable_padded_drafter_batch:  # rejected tokens dropped, on device at the same width
             input_ids, positions, hidden, slots, seq_lens = spec_decode.compact_rejected(
                 input_ids, positions, hidden, slots, seq_lens, sample_idx)

@@ -38,6 +38,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``takeover_scales_every_k``: a K that takes over scales every K's figure by its steps from the first, so a K
   explored cheap keeps its error. Fails
   ``test_fused_step.py::test_a_k_that_takes_over_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap``.
+- ``sample_first_slot``: the MTP layer reads every row's first verified slot, not its last accepted one. Fails
+  ``test_fused_step.py::test_a_step_verifying_fewer_drafts_than_its_k_drafts_from_its_last_accepted_token``
+  (MTP cache entries unlike those of a run at one K).
 - ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 """
@@ -207,6 +210,15 @@ def takeover_scales_every_k() -> None:
 
     # the defect: no steps in which a K that took over corrects its own figure
     adaptive.TAKEOVER_STEPS = 0
+
+
+@_plant
+def sample_first_slot() -> None:
+    from ascend_spec import spec_decode
+
+    # the defect: the MTP reads each row's first slot whatever it accepted (a fixed index, as the padded row's end
+    # was for a row that verified fewer drafts than K)
+    spec_decode.sample_indices_in_padded_rows = lambda valid: torch.zeros_like(valid, dtype=torch.long)
 
 
 def plant(name: str) -> None:

@@ -707,36 +707,52 @@ def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
     assert stats.k_switches == 2 and forced.k_policy.costs.switch_seconds == {}
 
 
+def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str = "eager", k_max: int = 2,
+                     max_tokens: int = 40):
+    """Greedy ``prompt`` with fused steps at ``k_of_step(step index)``: its tokens, the MTP cache entries of every
+    verified position (the last token's is written by the step after it), and the run's stats."""
+    cfg = dataclasses.replace(inductor_config(k_max), adaptive_k=True)
+    if fused_backend == "eager":
+        cfg = dataclasses.replace(cfg, graph=TorchairGraphConfig(enabled=False, backend="eager",
+                                                                 graph_batch_sizes=(1, 2, 4)))
+    eng = load_engine(model_dir, cfg)
+    if fused_backend != "eager":
+        eng.warmup(progress=False)
+    seen = _scripted_k(eng, k_of_step)
+    out, stats, _ = eng.generate([prompt], SamplingParams(), [max_tokens])
+    cache, bs = eng.runner.caches.draft, eng.caches.block_size
+    slots = [seen["blocks"][p // bs] * bs + p % bs for p in range(seen["num_tokens"] - 1)]
+    return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
+
+
 @pytest.mark.parametrize("fused_backend", ["eager", "inductor"])
 def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fused_backend):
     """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
     positions are written from the target hidden states the K = 0 steps kept, so its draft cache equals that of an
     engine drafting every step (a gap would be left as zeros) and greedy tokens are unchanged."""
-    def engine():
-        cfg = dataclasses.replace(inductor_config(2), adaptive_k=True)
-        if fused_backend == "eager":
-            cfg = dataclasses.replace(cfg, graph=TorchairGraphConfig(enabled=False, backend="eager",
-                                                                     graph_batch_sizes=(1, 2, 4)))
-        return load_engine(trained_dir, cfg)
-
-    def run(k_of_step):
-        eng = engine()
-        if fused_backend != "eager":
-            eng.warmup(progress=False)
-        seen = _scripted_k(eng, k_of_step)
-        out, stats, _ = eng.generate([prompts[0]], SamplingParams(), [40])
-        cache = eng.runner.caches.draft
-        # entries every verified position has (the last token's is written by the step after it)
-        bs = eng.caches.block_size
-        slots = [seen["blocks"][p // bs] * bs + p % bs
-                 for p in range(seen["num_tokens"] - 1)]
-        return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
-
-    resumed, resumed_cache, stats = run(lambda i: 0 if 2 <= i < 14 else 2)
+    resumed, resumed_cache, stats = _draft_cache_run(trained_dir, prompts[0], lambda i: 0 if 2 <= i < 14 else 2,
+                                                     fused_backend)
     assert stats.steps_per_k.get(0) == 12 and stats.steps_per_k.get(2)
     assert stats.k_switches == 2  # 2 -> 0 at the third step, 0 -> 2 at the fifteenth
     assert stats.switch_seconds > 0  # the rebuilds, and the catch-up out of K = 0, are timed
-    drafted, drafted_cache, _ = run(lambda i: 2)
+    drafted, drafted_cache, _ = _draft_cache_run(trained_dir, prompts[0], lambda i: 2, fused_backend)
     assert resumed == drafted
     assert resumed_cache.shape == drafted_cache.shape
     torch.testing.assert_close(resumed_cache, drafted_cache, atol=1e-4, rtol=1e-4)
+
+
+def test_a_step_verifying_fewer_drafts_than_its_k_drafts_from_its_last_accepted_token(trained_dir, prompts):
+    """The first step after a change to a larger K verifies the drafts the smaller K left (fewer than its K, the
+    rest of its row padding): its MTP layer reads the last accepted token's hidden state and writes that position's
+    entry with the token the target just produced, as a step of the larger K after one of its own does. Counted from
+    the padded row's end instead, each change up left a wrong entry behind and its next drafts were rejected more
+    (bundled model, batch 16: 9–10 rows of 16 rejected the first draft on the two steps after K = 1 -> 2, 4–5
+    on the steps around them)."""
+    ups = lambda i: 1 + (i // 3) % 3  # noqa: E731  K = 1, 2, 3 in turn, three steps each
+    switched, switched_cache, stats = _draft_cache_run(trained_dir, prompts[2], ups, k_max=3, max_tokens=60)
+    assert stats.k_switches >= 6 and set(stats.steps_per_k) == {1, 2, 3}
+    drafted, drafted_cache, _ = _draft_cache_run(trained_dir, prompts[2], lambda i: 3, k_max=3, max_tokens=60)
+    assert switched == drafted
+    n = min(len(switched_cache), len(drafted_cache))  # the last steps' ends differ: the positions both verified
+    assert n >= 60
+    torch.testing.assert_close(switched_cache[:n], drafted_cache[:n], atol=1e-4, rtol=1e-4)

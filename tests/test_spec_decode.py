@@ -8,6 +8,7 @@ from ascend_spec.spec_decode import (
     prepare_inputs_padded,
     prepare_next_token_ids_padded,
     rejection_sample,
+    sample_indices_in_padded_rows,
 )
 from ascend_spec.sync_counter import HostSyncCounter
 
@@ -90,6 +91,21 @@ def test_padded_and_unpadded_agree_on_sampled_index():
     idx, rejected = prepare_inputs_padded(qsl, num_draft, valid)
     new_qsl, token_indices = prepare_inputs(qsl, rejected)
     assert token_indices[new_qsl[1:] - 1].tolist() == idx.tolist()
+
+
+def test_rows_padded_to_one_width_sample_where_their_own_spans_would():
+    """A batch whose rows all take 1 + K slots, each verifying its num_draft <= K drafts first (the rest padding):
+    the last accepted slot of each row is where vLLM's formula puts it on the row's own span of 1 + num_draft
+    tokens, not counted back from the padded row's end (K - num_draft slots later)."""
+    k = 3
+    num_draft = torch.tensor([3, 1, 0, 2, 1, 3])
+    valid = torch.tensor([4, 2, 1, 1, 1, 2])
+    spans = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(1 + num_draft, 0)])
+    own, _ = prepare_inputs_padded(spans, num_draft, valid)
+    assert sample_indices_in_padded_rows(valid).tolist() == (own - spans[:-1]).tolist() == [3, 1, 0, 0, 0, 1]
+    padded, _ = prepare_inputs_padded(torch.arange(len(valid) + 1) * (1 + k), num_draft, valid)
+    off = padded - torch.arange(len(valid)) * (1 + k) - sample_indices_in_padded_rows(valid)
+    assert off.tolist() == (k - num_draft).tolist()  # the rows with fewer drafts than K, by as many slots
 
 
 def test_compact_rejected_is_prepare_inputs_on_device():

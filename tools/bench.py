@@ -241,7 +241,7 @@ class PhaseProbe:
                 t1 = time.perf_counter()
                 sampled, *_ = accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)
                 t2 = time.perf_counter()
-                propose(input_ids, start, sampled, nd, pos, hidden, slots, table, seq_lens, draft_cache)
+                propose(input_ids, start, sampled, pos, hidden, slots, table, seq_lens, draft_cache)
                 t3 = time.perf_counter()
         for name, t in (("verify", t1 - t0), ("accept", t2 - t1), ("draft", t3 - t2)):
             self.seconds[name].append(t)
