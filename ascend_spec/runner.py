@@ -5,7 +5,7 @@ One step (speculative, padded — docs/design.md's data flow):
 1. target forward of ``B`` requests × ``(1+K)`` tokens
 2. rejection sampler → ``sampled [B, K+1]`` with -1 placeholders
 3. ``prepare_next_token_ids_padded`` → next token and valid count per request
-4. ``prepare_inputs_padded`` → last accepted index per request (no compaction)
+4. the last accepted index per request, ``valid - 1`` in rows padded to ``1+K`` (no compaction)
 5-6. the proposer drafts K tokens for the next step
 The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_step`; the state is
 ``inputs.DeviceBatch``); the step-by-step path (``fused_step=False``) runs the target graph, sampling and the
