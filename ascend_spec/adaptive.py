@@ -20,7 +20,7 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   drafting K and explores nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest
   of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
-  step's time shows. A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
+  step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
   window (``k_policy.ACCEPTANCE_WINDOW``) that each K = 0 step ages as a draft would, and small buckets explore
   more often while it runs (``explore_every``).
@@ -80,10 +80,12 @@ WARMUP_COST_CONTEXT = 64
 ROWS_APART_PER_TOKEN = 0.07
 
 
-def rows_apart_cost(bucket: int, tokens_per_step: float) -> float:
+def rows_apart_cost(bucket: int, tokens_per_step: float, in_step: float = 1.0) -> float:
     """Share of a drafting K's expected tokens/s that rows finishing apart cost a bucket of ``bucket`` rows whose
-    steps yield ``tokens_per_step`` a row."""
-    return ROWS_APART_PER_TOKEN * (tokens_per_step - 1) if bucket > 1 else 0.0
+    steps yield ``tokens_per_step`` a row, ``in_step`` of which plain decoding would keep in step (requests of one
+    token budget): rows whose budgets differ finish apart without drafts too, and drafting costs them nothing
+    more that way."""
+    return in_step * ROWS_APART_PER_TOKEN * (tokens_per_step - 1) if bucket > 1 else 0.0
 
 
 def stop_margin(bucket: int) -> float:
@@ -108,19 +110,21 @@ def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
     return total
 
 
-def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int, bucket: int = 1) -> float:
+def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k: int, bucket: int = 1,
+                      in_step: float = 1.0) -> float:
     """Expected tokens per second of a step at K = ``k``, less what rows finishing apart cost."""
     tokens = expected_tokens_per_step(acceptance, k)
-    return tokens / step_seconds[k] * (1 - rows_apart_cost(bucket, tokens))
+    return tokens / step_seconds[k] * (1 - rows_apart_cost(bucket, tokens, in_step))
 
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
-             bucket: int = 1, switch_steps: float = 0.0) -> int:
+             bucket: int = 1, switch_steps: float = 0.0, in_step: float = 1.0) -> int:
     """The K with the most expected tokens per second in ``bucket``; ties go to the smaller K (cheaper when
     acceptance drifts). With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and
     K = 0 must beat a drafting K by ``stop_margin(bucket)``; either margin grows by what the change costs
-    (``switch_steps`` of the current K's steps) spread over ``SWITCH_HORIZON`` steps."""
-    rate = {k: tokens_per_second(step_seconds, acceptance, k, bucket) for k in step_seconds}
+    (``switch_steps`` of the current K's steps) spread over ``SWITCH_HORIZON`` steps. ``in_step``: see
+    :func:`rows_apart_cost`."""
+    rate = {k: tokens_per_second(step_seconds, acceptance, k, bucket, in_step) for k in step_seconds}
     best = max(sorted(rate), key=lambda k: (rate[k], -k))
     margin = (stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN) + switch_steps / SWITCH_HORIZON
     if current in rate and current != best and rate[best] < (1 + margin) * rate[current]:
@@ -188,7 +192,7 @@ class AdaptiveK:
         seen = self.switch_seconds.get(bucket)
         self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
 
-    def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int]) -> int:
+    def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int], in_step: float = 1.0) -> int:
         """The K ``bucket`` drafts while acceptance is learned: the best drafting K for the figures so far among the
         warm ones (not ``deferred``), K_max where none is measured. K = 0 would learn nothing, and explorations wait
         for the acceptance they weigh; the choice is the bucket's incumbent, so it changes only for a better K."""
@@ -197,10 +201,13 @@ class AdaptiveK:
         if not drafting:
             return self.k_max
         current = self.chosen.get(bucket)
-        self.chosen[bucket] = choose_k(drafting, acceptance, current, bucket, self.switch_steps(bucket, current))
+        self.chosen[bucket] = choose_k(drafting, acceptance, current, bucket, self.switch_steps(bucket, current),
+                                       in_step)
         return self.chosen[bucket]
 
-    def k_for(self, bucket: int, acceptance: list[float]) -> int:
+    def k_for(self, bucket: int, acceptance: list[float], in_step: float = 1.0) -> int:
+        """This step's K for ``bucket``, ``in_step`` of whose rows plain decoding would keep in step (see
+        :func:`rows_apart_cost`)."""
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
@@ -209,8 +216,9 @@ class AdaptiveK:
         current = self.chosen.get(bucket)
         drafting = {j: c for j, c in total.items() if j}
         if current is None and drafting:  # the first choice: the best drafting K is the incumbent K = 0 must beat
-            current = choose_k(drafting, acceptance, None, bucket)
-        k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current))
+            current = choose_k(drafting, acceptance, None, bucket, in_step=in_step)
+        k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current),
+                                           in_step)
         if current is not None and k != current:
             self._taking_over[bucket] = TAKEOVER_STEPS
         self._exploring[bucket] = None

@@ -9,6 +9,7 @@ what this step drafts, 0..k_max.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,15 @@ class AcceptanceTracker:
         return rates
 
 
+def in_step_share(running: list[Sequence]) -> float:
+    """The share of ``running`` that plain decoding would keep in step: requests whose token budget another one
+    shares. Rows of equal budgets admitted together finish together without drafts, and drafting sets them apart
+    (bundled model, AVX-512 + AMX, equal lengths: each fixed K's efficiency fell with K, batch 16 0.88 / 0.84 /
+    0.83 at K = 1 / 2 / 3); rows of budgets 128 ± 64 finish apart either way (0.93–1.07, flat in K, batch 2–16)."""
+    budgets = Counter(s.max_tokens for s in running)
+    return sum(n for n in budgets.values() if n > 1) / len(running)
+
+
 @dataclass(frozen=True)
 class StepK:
     """A decode step's K for its batch ``bucket``; ``fused``: the one-graph step applies (else the step-by-step
@@ -130,11 +140,12 @@ class KPolicy:
             return StepK(self.k_max, bucket, fused=False)
         assert self.warm is not None, "the runner binds its warm-up before the first step"
         to_go = max(s.max_tokens - len(s.output_ids) for s in running)
-        return StepK(self.k_for(bucket, to_go, self.warm), bucket, fused=True)
+        return StepK(self.k_for(bucket, to_go, self.warm, in_step_share(running)), bucket, fused=True)
 
-    def k_for(self, bucket: int, to_go: int | None, warm: GraphWarmup) -> int:
-        """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many). A K
-        whose graphs ``warm`` deferred is compiled there (it tells why) before it is returned."""
+    def k_for(self, bucket: int, to_go: int | None, warm: GraphWarmup, in_step: float = 1.0) -> int:
+        """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many);
+        ``in_step``: the share of its rows plain decoding would keep in step (:func:`in_step_share`). A K whose
+        graphs ``warm`` deferred is compiled there (it tells why) before it is returned."""
         deferred = warm.deferred
         if self.force_k is not None:
             k, why = self.force_k, "asked for"
@@ -145,14 +156,14 @@ class KPolicy:
             # then learn only from explorations. Draft at the best warm drafting K until some have been verified,
             # over steps enough that they are not only the first tokens of the first requests.
             self.learning_steps += 1
-            return self.costs.learning_k(bucket, self.acceptance.rates(), deferred)
+            return self.costs.learning_k(bucket, self.acceptance.rates(), deferred, in_step)
         elif deferred and to_go is not None and to_go < DEFERRED_MIN_TOKENS:
             # what is left of the run would not repay a compile: the K values warm stay the choice
-            return self.k_max if 0 in deferred else self._best_warm(bucket, deferred)
+            return self.k_max if 0 in deferred else self._best_warm(bucket, deferred, in_step)
         else:
             if 0 in deferred:
                 warm.compile_deferred(0, "acceptance learned: plain decoding is weighed from now on")
-            k = self.costs.k_for(bucket, self.acceptance.rates())
+            k = self.costs.k_for(bucket, self.acceptance.rates(), in_step)
             if k == 0:  # acceptance is learned from explorations alone now: what they verify must count
                 self.acceptance.age()
             why = f"adaptive K expects it to pay at batch {bucket}"
@@ -160,13 +171,13 @@ class KPolicy:
             warm.compile_deferred(k, why)
         return k
 
-    def _best_warm(self, bucket: int, deferred: set[int]) -> int:
+    def _best_warm(self, bucket: int, deferred: set[int], in_step: float = 1.0) -> int:
         """The policy's K among the warm ones (the deferred K values' interpolated figures left out)."""
         costs = self.costs.step_seconds.get(bucket)
         if not costs:
             return self.k_max
         warm = {k: c for k, c in costs.items() if k not in deferred}
-        return choose_k(warm, self.acceptance.rates(), self.costs.chosen.get(bucket), bucket)
+        return choose_k(warm, self.acceptance.rates(), self.costs.chosen.get(bucket), bucket, in_step=in_step)
 
     def observe(self, bucket: int, k: int, seconds: float, between: float | None, switched: bool = False) -> None:
         """A fused step of ``bucket`` at K = ``k`` took ``seconds`` (``between``: what ran since the step before,

@@ -41,6 +41,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``sample_first_slot``: the MTP layer reads every row's first verified slot, not its last accepted one. Fails
   ``test_fused_step.py::test_a_step_verifying_fewer_drafts_than_its_k_drafts_from_its_last_accepted_token``
   (MTP cache entries unlike those of a run at one K).
+- ``budgets_ignored``: the rows-apart discount weighs every row, whatever its token budget. Fails
+  ``test_fused_step.py::test_rows_of_different_budgets_are_apart_anyway_and_drafting_costs_them_nothing_more``.
 - ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 """
@@ -219,6 +221,14 @@ def sample_first_slot() -> None:
     # the defect: the MTP reads each row's first slot whatever it accepted (a fixed index, as the padded row's end
     # was for a row that verified fewer drafts than K)
     spec_decode.sample_indices_in_padded_rows = lambda valid: torch.zeros_like(valid, dtype=torch.long)
+
+
+@_plant
+def budgets_ignored() -> None:
+    from ascend_spec import k_policy
+
+    # the defect: every row counts as kept in step by plain decoding, whatever its token budget
+    k_policy.in_step_share = lambda running: 1.0
 
 
 def plant(name: str) -> None:

@@ -378,6 +378,39 @@ def test_rows_finishing_apart_cost_a_drafting_k_of_several_rows():
     assert choose_k(costs, acceptance, bucket=1) == 3 and choose_k(costs, acceptance, bucket=8) == 1
 
 
+def test_rows_of_different_budgets_are_apart_anyway_and_drafting_costs_them_nothing_more():
+    """The rows-apart discount weighs the rows plain decoding would keep in step, those whose token budget another
+    row shares: none where every budget differs (lengths drawn from 128 ± 64), all where they are equal. The plan
+    of a step hands that share to the cost model."""
+    from types import SimpleNamespace
+
+    from ascend_spec.k_policy import in_step_share
+
+    rows = lambda *budgets: [SimpleNamespace(max_tokens=b) for b in budgets]  # noqa: E731
+    assert in_step_share(rows(128, 128, 128, 128)) == 1.0
+    assert in_step_share(rows(70, 128, 151, 190)) == 0.0
+    assert in_step_share(rows(70, 128, 128, 190)) == 0.5
+    costs, acceptance = {0: 1.0, 1: 1.55}, [0.62]  # the case above: K = 1 4.5% over K = 0 before the discount
+    assert rows_apart_cost(8, 1.62, in_step=0.0) == 0
+    assert rows_apart_cost(8, 1.62, in_step=0.5) == pytest.approx(0.5 * rows_apart_cost(8, 1.62))
+    assert choose_k(costs, acceptance, bucket=8) == 0 and choose_k(costs, acceptance, bucket=8, in_step=0.0) == 1
+    # K = 2 5.7% better per step's cost than a running K = 1: inside the switch margin for rows in step (2% after
+    # the discount), past it for rows apart anyway (mixed lengths, batch 8: K = 1 held 296 of 328 steps, K = 2 was
+    # 7% faster)
+    costs, acceptance = {0: 1.0, 1: 1.3, 2: 1.6}, [0.67, 0.75]
+    e1, e2 = (expected_tokens_per_step(acceptance, k) for k in (1, 2))
+    assert e2 / costs[2] == pytest.approx(1.057 * e1 / costs[1], abs=0.002)
+    assert choose_k(costs, acceptance, current=1, bucket=8) == 1
+    assert choose_k(costs, acceptance, current=1, bucket=8, in_step=0.0) == 2
+    shares = []
+    policy = KPolicy(2, adaptive=True, batch_sizes=(4,))
+    policy.warm = _NothingDeferred()
+    policy.k_for = lambda bucket, to_go, warm, in_step=1.0: shares.append(in_step) or 1
+    for budgets in ((128,) * 4, (70, 128, 151, 190)):
+        policy.plan([SimpleNamespace(max_tokens=b, output_ids=[], params=SamplingParams()) for b in budgets])
+    assert shares == [1.0, 0.0]
+
+
 def test_adaptive_k_stops_speculating_only_for_the_larger_margin():
     """Out of K > 0, K = 0 must win by STOP_MARGIN (a wrong K = 0 is corrected only by explorations); out of
     K = 0, drafting comes back for SWITCH_MARGIN."""
