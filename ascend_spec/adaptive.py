@@ -20,7 +20,8 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   drafting K and explores nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest
   of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
-  step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step reserves no draft room (the scheduler asks the K policy before it makes room).
+  step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step
+  reserves no draft room (the scheduler asks the K policy before it makes room).
 - K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
   window (``k_policy.ACCEPTANCE_WINDOW``) that each K = 0 step ages as a draft would, and small buckets explore
   more often while it runs (``explore_every``).
