@@ -175,7 +175,7 @@ def learn_at_k_max() -> None:
     from ascend_spec.adaptive import AdaptiveK
 
     # the defect: the policy's figures are not asked while acceptance is learned
-    AdaptiveK.learning_k = lambda self, bucket, acceptance, deferred: self.k_max
+    AdaptiveK.learning_k = lambda self, bucket, acceptance, deferred, in_step=1.0: self.k_max
 
 
 @_plant

@@ -721,7 +721,7 @@ def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
         return eng
 
     eng, steps = engine(), iter(range(1000))
-    eng.k_policy.costs.k_for = lambda bucket, acceptance: 0 if 2 <= next(steps) < 6 else 2
+    eng.k_policy.costs.k_for = lambda bucket, acceptance, in_step=1.0: 0 if 2 <= next(steps) < 6 else 2
     observed, observe = [], eng.k_policy.costs.observe
 
     def spy(bucket: int, k: int, seconds: float, between: float | None = None, switched: bool = False) -> None:
