@@ -196,12 +196,16 @@ class AdaptiveK:
     def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int], in_step: float = 1.0) -> int:
         """The K ``bucket`` drafts while acceptance is learned: the best drafting K for the figures so far among the
         warm ones (not ``deferred``), K_max where none is measured. K = 0 would learn nothing, and explorations wait
-        for the acceptance they weigh; the choice is the bucket's incumbent, so it changes only for a better K."""
+        for the acceptance they weigh; the choice is the bucket's incumbent, so it changes only for a better K.
+        The first choice goes to the deepest K that none beats by ``SWITCH_MARGIN``: only positions a K drafts
+        are learned, and under the prior (1/2 a position, which deep positions copy) a lower K looks as good."""
         costs = self.step_seconds.get(bucket, {})
         drafting = {j: c + self.between(bucket, j) for j, c in costs.items() if j and j not in deferred}
         if not drafting:
             return self.k_max
         current = self.chosen.get(bucket)
+        if current is None:  # the first choice: of the K values none beats by SWITCH_MARGIN, the one learning most
+            current = max(j for j in drafting if choose_k(drafting, acceptance, j, bucket, in_step=in_step) == j)
         self.chosen[bucket] = choose_k(drafting, acceptance, current, bucket, self.switch_steps(bucket, current),
                                        in_step)
         return self.chosen[bucket]

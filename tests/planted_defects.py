@@ -43,6 +43,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   (MTP cache entries unlike those of a run at one K).
 - ``budgets_ignored``: the rows-apart discount weighs every row, whatever its token budget. Fails
   ``test_fused_step.py::test_rows_of_different_budgets_are_apart_anyway_and_drafting_costs_them_nothing_more``.
+- ``learning_starts_at_the_best``: learning's first K is the best at the prior, however little a deeper one
+  trails it. Fails ``test_fused_step.py::test_learning_starts_at_the_deepest_k_no_other_beats_by_the_switch_margin``.
 - ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 """
@@ -176,6 +178,23 @@ def learn_at_k_max() -> None:
 
     # the defect: the policy's figures are not asked while acceptance is learned
     AdaptiveK.learning_k = lambda self, bucket, acceptance, deferred, in_step=1.0: self.k_max
+
+
+@_plant
+def learning_starts_at_the_best() -> None:
+    from ascend_spec.adaptive import AdaptiveK, choose_k
+
+    original = AdaptiveK.learning_k
+
+    def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int], in_step: float = 1.0) -> int:
+        costs = self.step_seconds.get(bucket, {})
+        drafting = {j: c + self.between(bucket, j) for j, c in costs.items() if j and j not in deferred}
+        if bucket not in self.chosen and drafting:
+            # the defect: the first choice is the best K at the prior, a deeper one within the margin passed over
+            self.chosen[bucket] = choose_k(drafting, acceptance, None, bucket, in_step=in_step)
+        return original(self, bucket, acceptance, deferred, in_step)
+
+    AdaptiveK.learning_k = learning_k
 
 
 @_plant
