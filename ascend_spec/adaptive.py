@@ -17,8 +17,8 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left). A K
   that takes over corrects its own figure on its first ``TAKEOVER_STEPS`` steady steps, then scales every K's.
 - Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
-  drafting K and explores nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest
-  of the run must beat.
+  drafting K (first the deepest within ``SWITCH_MARGIN`` of it: it learns the most positions) and explores
+  nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step
   reserves no draft room (the scheduler asks the K policy before it makes room).
