@@ -124,6 +124,13 @@ class KPolicy:
         """Seconds of one fused step per bucket and K (adaptive K)."""
         return self.costs.step_seconds
 
+    def restart(self) -> None:
+        """Learn afresh, as an engine started now would: no draft verified, no learning step run, no bucket's K
+        chosen; the step costs measured so far stay."""
+        self.acceptance = AcceptanceTracker.empty(self.k_max)
+        self.learning_steps = 0
+        self.costs.chosen.clear()
+
     def bucket_for(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests; None above the largest."""
         i = bisect.bisect_left(self.batch_sizes, batch)

@@ -169,6 +169,22 @@ def test_learning_starts_at_the_deepest_k_no_other_beats_by_the_switch_margin():
     assert learning(1.25) == [1] * LEARN_STEPS  # K = 1 ahead by more than the margin: it learns
 
 
+def test_a_restarted_policy_learns_as_a_new_one_and_keeps_its_step_costs():
+    """``KPolicy.restart`` (the bench's adaptive contender, each round): acceptance, learning steps and the chosen K
+    start afresh, so learning's first choice is made again; the step costs measured so far stay."""
+    policy = KPolicy(3, adaptive=True, batch_sizes=(2,))
+    policy.step_seconds[2] = {0: 0.8, 1: 1.0, 2: 1.17, 3: 1.35}
+    for _ in range(LEARN_STEPS):
+        k = policy.k_for(2, None, _NothingDeferred())  # type: ignore[arg-type]
+        policy.record(k, 0)
+        policy.record(k, 0)  # every draft rejected: K = 1 takes over from K = 2
+    assert policy.chosen([2]) == {2: 1} and policy.learning_steps == LEARN_STEPS
+    costs = dict(policy.step_seconds[2])
+    policy.restart()
+    assert policy.acceptance.offered == [0, 0, 0] and policy.step_seconds[2] == costs
+    assert policy.k_for(2, None, _NothingDeferred()) == 2 and policy.learning_steps == 1  # type: ignore[arg-type]
+
+
 def test_adaptive_k_learns_over_steps_as_well_as_drafts():
     """At batch b the first LEARN_DRAFTS drafts are the first LEARN_DRAFTS / b tokens of the first requests, the
     poorest a request drafts (bench, batch 4, mixed lengths: 0.43-0.46 at the first choice, K = 0 chosen on it, where

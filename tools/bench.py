@@ -190,9 +190,11 @@ def serve_interleaved(eng: Engine, requests: list[list[int]], batch: int, max_to
                       contenders: dict[str, int | None], turn: int = 0) -> dict[str, Tally]:
     """The requests in chunks of ``REQUESTS_PER_SLOT × batch``, each chunk served by every contender in turn (the
     order rotating from chunk to chunk, starting at ``turn``), so a noisy second weighs on all of them alike.
-    Adaptive K learns its acceptance afresh (a tracker of its own, kept across the chunks)."""
+    Adaptive K learns afresh, as an engine started now would (its acceptance and its choices; the step costs
+    measured so far stay), and keeps what it learns across the chunks."""
     tallies = {name: Tally() for name in contenders}
-    own, scratch = AcceptanceTracker.empty(eng.k_max), AcceptanceTracker.empty(eng.k_max)
+    eng.k_policy.restart()
+    own, scratch = eng.k_policy.acceptance, AcceptanceTracker.empty(eng.k_max)
     chunk = REQUESTS_PER_SLOT * batch
     try:
         for n, i in enumerate(range(0, len(requests), chunk)):
