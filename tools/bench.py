@@ -4,8 +4,8 @@
     python tools/bench.py --out docs/bench [--batches 1 2 4 8 16] [--ks 1 2 3] [--max-tokens 128] [--rounds N]
 
 One engine (inductor, the bundled model, greedy) serves every contender, so they replay the same compiled graphs:
-no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance learned afresh in
-each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to at least
+no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance and choices learned
+afresh in each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to at least
 four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the next
 (continuous batching, as a server runs: a closed batch would end at the pace of its slowest request). Contenders
 take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round, and all
