@@ -5,17 +5,17 @@
 
 One engine (inductor, the bundled model, greedy) serves every contender, so they replay the same compiled graphs:
 no-spec (K = 0), fixed K for each ``--ks`` and adaptive K (the default policy, its acceptance and choices learned
-afresh in each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to at least
-four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the next
-(continuous batching, as a server runs: a closed batch would end at the pace of its slowest request). Contenders
-take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round, and all
-generate the same tokens. Rounds repeat the whole set; figures are medians over rounds. By default there are as
-many rounds as contenders, so each runs once in every place of the order (at batch 4 and above a round is one
+afresh in each run). The requests are ``tools/bench_prompts.txt`` (prompts outside the training corpus), cycled to
+at least four per slot; batch size ``b`` means at most ``b`` running at once, a finished request's slot going to the
+next (continuous batching, as a server runs: a closed batch would end at the pace of its slowest request).
+Contenders take turns on each chunk of 4b requests, in an order that rotates from chunk to chunk and round to round,
+and all generate the same tokens. Rounds repeat the whole set; figures are medians over rounds. By default there are
+as many rounds as contenders, so each runs once in every place of the order (at batch 4 and above a round is one
 chunk: with fewer rounds a contender can run after the same neighbour every time). Every request runs to
-``--max-tokens``, so plain decoding's requests, admitted together, advance in lockstep; ``--length-spread S``
-draws each request's budget from ``max-tokens ± S`` instead (the same for every contender), so that requests end
-apart with or without drafts, as real traffic's do (``make bench-mixed``). ``--twin K`` runs fixed K a second
-time as one more contender: measured against the best as adaptive K is, it shows the noise floor of that figure.
+``--max-tokens``, so plain decoding's requests, admitted together, advance in lockstep; ``--length-spread S`` draws
+each request's budget from ``max-tokens ± S`` instead (the same for every contender), so that requests end apart
+with or without drafts, as real traffic's do (``make bench-mixed``). ``--twin K`` runs fixed K a second time as one
+more contender: measured against the best as adaptive K is, it shows the noise floor of that figure.
 
 The step-time account (per batch size and K, on the first 4b requests): each fused step's graph time and the
 host time around it, prefill and the engine's loop, measured inside a run and summed against its wall time; in a
