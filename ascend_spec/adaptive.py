@@ -8,14 +8,17 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   scales the bucket's figures, so K values that do not run keep no stale warm-up figures.
 - What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
   another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
-  replaces its warm-up figure, later ones are averaged).
+  replaces its warm-up figure, later ones are averaged). A lower K trailing the running one far
+  (``FAR_EXPLORE_GAP``) is explored on one of its turns in ``FAR_EXPLORE_LAPS``: all it can learn is its cost.
 - What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``), drawn towards
   the bucket's average over every K, and added to a step's figure when K is chosen: it differs by K and does not
   follow the drift.
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left). A K
-  that takes over corrects its own figure on its first ``TAKEOVER_STEPS`` steady steps, then scales every K's.
+  that takes over on a figure warm-up or explorations set corrects it on its first ``TAKEOVER_STEPS`` steady
+  steps, then scales every K's; one back on a figure its own steady steps set scales every K's from the first
+  (drift they all share must not push it under the K it took over from).
 - Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
   drafting K (first the deepest within ``SWITCH_MARGIN`` of it: it learns the most positions) and explores
   nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
@@ -36,6 +39,11 @@ from dataclasses import dataclass, field
 
 #: steps between explorations of another K (each costs two steps at a K that may not pay)
 EXPLORE_EVERY = 64
+#: a K below the running one whose expected tokens/s trail its own by more than this share is explored on one
+#: turn in ``FAR_EXPLORE_LAPS`` only: such an exploration measures its step cost alone (the running K verifies
+#: every position it drafts), and out of K = 0 it pays the MTP catch-up on top (batch 1: K = 0 trailed by 22-25%)
+FAR_EXPLORE_GAP = 0.15
+FAR_EXPLORE_LAPS = 4
 #: ... or, while K = 0 runs in a small bucket, this × bucket steps: out of K = 0 acceptance is learned only there
 EXPLORE_ROW_STEPS = 16
 #: consecutive steps an exploration takes: one to draft, one to verify
@@ -173,8 +181,12 @@ class AdaptiveK:
     #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
     _since: dict[int, int] = field(default_factory=dict)
     _explorations: dict[int, int] = field(default_factory=dict)
+    #: the K each bucket's exploration window under way runs (None: this turn is skipped), chosen at its first step
+    _window: dict[int, int | None] = field(default_factory=dict)
     #: steady steps left per bucket in which the K that took over corrects its own figure (``TAKEOVER_STEPS``)
     _taking_over: dict[int, int] = field(default_factory=dict)
+    #: K values per bucket whose figure rests on their own steady steps (run, and not explored since)
+    _steady: dict[int, set[int]] = field(default_factory=dict)
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps: its own steps'
@@ -224,21 +236,39 @@ class AdaptiveK:
             current = choose_k(drafting, acceptance, None, bucket, in_step=in_step)
         k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current),
                                            in_step)
-        if current is not None and k != current:
-            self._taking_over[bucket] = TAKEOVER_STEPS
+        if current is not None and k != current:  # a K back on a figure its own steady steps set needs no correction
+            self._taking_over[bucket] = 0 if k in self._steady.get(bucket, ()) else TAKEOVER_STEPS
         self._exploring[bucket] = None
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
         if since > every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position. Counted from the last exploration, so a change
             # of ``every`` (K = 0 explores more often) neither skips one nor runs two back to back.
-            others = [j for j in sorted(costs) if j != k and j not in self.pending]
-            turn = self._explorations.get(bucket, 0)
-            if others:
-                k = self._exploring[bucket] = others[turn % len(others)]
+            if since == every - EXPLORE_STEPS + 1 or bucket not in self._window:
+                self._window[bucket] = self._explored(bucket, k, total, acceptance, in_step)
+            explored = self._window[bucket]
+            if explored is not None:
+                k = self._exploring[bucket] = explored
             if since >= every:
-                self._since[bucket], self._explorations[bucket] = 0, turn + 1
+                self._since[bucket] = 0
+                self._explorations[bucket] = self._explorations.get(bucket, 0) + 1
+                del self._window[bucket]
         return k
+
+    def _explored(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
+                  in_step: float) -> int | None:
+        """The K this exploration window of ``bucket`` runs (``total``: each K's step and between figures), or
+        None: a lower K trailing the running one by more than ``FAR_EXPLORE_GAP`` whose turn is not in its lap."""
+        others = [j for j in sorted(total) if j != running and j not in self.pending]
+        if not others:
+            return None
+        turn = self._explorations.get(bucket, 0)
+        k = others[turn % len(others)]
+        if k > running or turn // len(others) % FAR_EXPLORE_LAPS == 0:
+            return k
+        rate = tokens_per_second(total, acceptance, k, bucket, in_step)
+        return k if rate >= (1 - FAR_EXPLORE_GAP) * tokens_per_second(total, acceptance, running, bucket, in_step) \
+            else None
 
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
                 switched: bool = False) -> None:
@@ -261,12 +291,17 @@ class AdaptiveK:
         seen = min(seconds, OBSERVE_CLIP * costs[k])
         measured = self.measured.setdefault(bucket, {})
         measured[k] = measured.get(k, 0) + 1
+        steady = self._steady.setdefault(bucket, set())
         if k == self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
             costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])
-        elif self._taking_over.get(bucket) and k == self.chosen.get(bucket):
+            steady.discard(k)
+            return
+        if self._taking_over.get(bucket) and k == self.chosen.get(bucket):
             self._taking_over[bucket] -= 1
             costs[k] += COST_SMOOTHING * (seen - costs[k])
         else:
             scale = 1 + COST_SMOOTHING * (seen / costs[k] - 1)
             for j in costs:
                 costs[j] *= scale
+        if k == self.chosen.get(bucket):
+            steady.add(k)

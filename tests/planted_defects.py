@@ -47,6 +47,11 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   trails it. Fails ``test_fused_step.py::test_learning_starts_at_the_deepest_k_no_other_beats_by_the_switch_margin``.
 - ``learn_drafts_only``: learning ends at ``LEARN_DRAFTS`` drafts, however few steps they took. Fails
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
+- ``far_k_every_lap``: a lower K trailing the running one far is explored on every turn. Fails
+  ``test_fused_step.py::test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps``.
+- ``takeover_on_a_steady_figure``: a K back on a figure its own steady steps set corrects it alone, as one priced
+  by explorations does. Fails
+  ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
 """
 from __future__ import annotations
 
@@ -254,3 +259,29 @@ def plant(name: str) -> None:
     if name not in PLANTS:
         raise ValueError(f"--plant-defect={name!r}; allowed: {sorted(PLANTS)}")
     PLANTS[name]()
+
+
+@_plant
+def far_k_every_lap() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    def _explored(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
+                  in_step: float) -> int | None:
+        # the defect: every K's turn is kept, however far it trails
+        others = [j for j in sorted(total) if j != running and j not in self.pending]
+        return others[self._explorations.get(bucket, 0) % len(others)] if others else None
+
+    AdaptiveK._explored = _explored
+
+
+@_plant
+def takeover_on_a_steady_figure() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    original = AdaptiveK.observe
+
+    def observe(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        self._steady.clear()  # the defect: no K's figure counts as set by its own steady steps
+
+    AdaptiveK.observe = observe

@@ -10,7 +10,7 @@ import pytest
 from ascend_spec.adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
 from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
-from ascend_spec import k_policy
+from ascend_spec import adaptive, k_policy
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -26,7 +26,8 @@ def own_store(tmp_path, monkeypatch):
     monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_interpolated_k_is_never_explored_and_sits_on_the_line():
+def test_interpolated_k_is_never_explored_and_sits_on_the_line(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(adaptive, "FAR_EXPLORE_GAP", 1.0)  # every measured K's turn kept, however far it trails
     assert interpolated_costs({0: 1.0, 3: 2.5}, [1, 2]) == pytest.approx({1: 1.5, 2: 2.0})
     policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.45, 2: 1.9}}, pending={1})
     picks = [policy.k_for(8, [0.9, 0.9]) for _ in range(400)]

@@ -2,16 +2,18 @@
 K chosen per bucket."""
 import dataclasses
 import math
+from collections import Counter
 
 import pytest
 import torch
 
+from ascend_spec import adaptive
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
-                                  EXPLORE_SHARE, ROWS_APART_PER_TOKEN, rows_apart_cost, tokens_per_second,
-                                  EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
+                                  EXPLORE_SHARE, FAR_EXPLORE_GAP, FAR_EXPLORE_LAPS, ROWS_APART_PER_TOKEN,
+                                  rows_apart_cost, tokens_per_second, EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
                                   STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
                                   AdaptiveK, choose_k, expected_tokens_per_step, explore_every, speedup_limit,
                                   stop_margin)
@@ -236,10 +238,28 @@ def test_adaptive_k_turns_speculation_off_where_it_does_not_pay_and_keeps_explor
 
 def explore(policy: AdaptiveK, bucket: int, acceptance: list[float], k: int) -> None:
     """Step the policy until it hands out ``k`` as an exploration (its running K stays another)."""
-    for _ in range(4 * EXPLORE_EVERY):
+    for _ in range(4 * FAR_EXPLORE_LAPS * EXPLORE_EVERY):  # a lower K far behind has one turn in FAR_EXPLORE_LAPS
         if policy.k_for(bucket, acceptance) == k and policy.chosen[bucket] != k:
             return
     raise AssertionError(f"K = {k} was not explored in bucket {bucket}")
+
+
+def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps():
+    """Exploring a K below the running one measures its step cost alone (the running K verifies every position it
+    drafts), and out of K = 0 it pays the MTP catch-up: where that K trails the running one by more than
+    FAR_EXPLORE_GAP its turn comes one lap in FAR_EXPLORE_LAPS. A lower K near the running one, and a higher one
+    (the positions only it verifies), keep every turn; a skipped turn runs the running K, both of its steps."""
+    acceptance = [0.9, 0.9, 0.9]
+    costs = {0: 1.0, 1: 1.1, 2: 1.5, 3: 3.0}
+    rate = {k: tokens_per_second(costs, acceptance, k) for k in costs}
+    assert rate[0] < (1 - FAR_EXPLORE_GAP) * rate[2] < rate[1] and rate[3] < (1 - FAR_EXPLORE_GAP) * rate[2]
+    policy = AdaptiveK(3, step_seconds={1: dict(costs)}, chosen={1: 2})
+    laps = 2 * FAR_EXPLORE_LAPS
+    ks = [policy.k_for(1, acceptance) for _ in range(3 * laps * EXPLORE_EVERY)]
+    assert Counter(k for k in ks if k != 2) == {0: 2 * EXPLORE_STEPS, 1: laps * EXPLORE_STEPS,
+                                                3: laps * EXPLORE_STEPS}
+    first = ks.index(0)
+    assert ks[first: first + EXPLORE_STEPS + 1] == [0] * EXPLORE_STEPS + [2]  # explored whole, on its first lap
 
 
 def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded_step():
@@ -293,6 +313,35 @@ def test_a_k_that_takes_over_corrects_its_own_figure_and_gives_way_if_it_was_pri
     assert back <= TAKEOVER_STEPS and ks[back:] == [1] * (len(ks) - back), ks  # and given back, for good
     assert policy.step_seconds[1][1] == pytest.approx(1.3)  # K = 1's figure was not scaled by K = 2's steps
     assert policy.step_seconds[1][2] > 1.85  # K = 2's own figure learned its steady cost
+
+
+def test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure():
+    """Only a K priced apart from its own steady steps (warm-up, explorations) corrects its own figure when it takes
+    over. One that ran and was not explored since is back on a figure its steady steps set: its first steps scale
+    every K's, so drift they all share does not push it under the K it took over from. Traced at batch 1 (mixed
+    lengths): K = 1, back after 9 steps of K = 3, took a slowdown alone, and K = 3 took over again 19 steps later
+    for 86 steps, where fixed K = 3 was 4% slower than K = 1."""
+    acceptance, true = [0.8, 0.8], {1: 1.3, 2: 1.9}
+    policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.3, 2: 1.9}}, chosen={1: 1})
+    for _ in range(3):
+        assert policy.k_for(1, acceptance) == 1
+        policy.observe(1, 1, true[1])
+    policy.step_seconds[1][2] = 1.5  # K = 2 priced cheap (as by explorations): it takes over, and gives way
+    ks, previous = [], 1
+    while len(ks) < TAKEOVER_STEPS and 1 not in ks:
+        k = policy.k_for(1, acceptance)
+        policy.observe(1, k, true[k], switched=k != previous)
+        ks.append(previous := k)
+    assert ks[0] == 2 and ks[-1] == 1, ks
+    policy.observe(1, 1, true[1])  # K = 1's first steady step back
+    before = dict(policy.step_seconds[1])
+    slower = 1.15  # the machine slows: K = 1's steps alone would put it 9% under K = 2's figure
+    for _ in range(TAKEOVER_STEPS):
+        assert policy.k_for(1, acceptance) == 1
+        policy.observe(1, 1, slower * true[1])
+    after = policy.step_seconds[1]
+    assert after[1] > 1.1 * before[1]  # the drift shows ...
+    assert after[2] / after[1] == pytest.approx(before[2] / before[1])  # ... in every K's figure alike
 
 
 def test_explored_figures_replace_warm_up_then_average_their_steps():
@@ -470,10 +519,11 @@ def test_adaptive_k_explores_out_of_k0_more_often_in_small_buckets():
     assert sum(k != 0 for k in ks) == 4 * EXPLORE_EVERY // EXPLORE_ROW_STEPS * EXPLORE_STEPS
 
 
-def test_explorations_are_spaced_from_the_last_one_when_the_running_k_changes():
+def test_explorations_are_spaced_from_the_last_one_when_the_running_k_changes(monkeypatch: pytest.MonkeyPatch):
     """The spacing counts steps since the last exploration: when the running K changes (K = 0 explores every
     EXPLORE_ROW_STEPS steps at batch 1, a drafting K every EXPLORE_EVERY), the next exploration comes a full new
     period after the last one, not wherever a step count taken modulo the new period falls."""
+    monkeypatch.setattr(adaptive, "FAR_EXPLORE_GAP", 1.0)  # every K's turn kept: the spacing shows on each
     policy = AdaptiveK(2, step_seconds={1: {0: 1.0, 1: 1.9, 2: 2.8}})
     poor, good = [0.1, 0.1], [0.95, 0.95]
     steps = EXPLORE_ROW_STEPS + 3
@@ -492,11 +542,12 @@ def test_explorations_are_spaced_from_the_last_one_when_the_running_k_changes():
                             end + 2 * EXPLORE_EVERY]
 
 
-def test_what_a_change_of_k_costs_spaces_explorations_and_widens_the_margin():
+def test_what_a_change_of_k_costs_spaces_explorations_and_widens_the_margin(monkeypatch: pytest.MonkeyPatch):
     """A change of K (the batch rebuilt, the MTP catch-up out of K = 0) is timed per bucket. Where it costs several
     steps (CUDA graphs: short, launch-bound steps), explorations come rarer, their two changes kept within
     EXPLORE_SHARE of the run, and a running K gives way only to one that repays the change over SWITCH_HORIZON
     steps. Where it costs under a step, nothing changes."""
+    monkeypatch.setattr(adaptive, "FAR_EXPLORE_GAP", 1.0)  # every K's turn kept: the spacing shows on each
     assert explore_every(1, 3, switch_steps=0.5) == explore_every(1, 3) == EXPLORE_EVERY
     assert explore_every(1, 3, switch_steps=4) == math.ceil(EXPLORE_STEPS * 4 / EXPLORE_SHARE) > EXPLORE_EVERY
     assert explore_every(1, 0, switch_steps=4) > explore_every(1, 0) == EXPLORE_ROW_STEPS
