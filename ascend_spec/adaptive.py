@@ -266,9 +266,8 @@ class AdaptiveK:
         k = others[turn % len(others)]
         if k > running or turn // len(others) % FAR_EXPLORE_LAPS == 0:
             return k
-        rate = tokens_per_second(total, acceptance, k, bucket, in_step)
-        return k if rate >= (1 - FAR_EXPLORE_GAP) * tokens_per_second(total, acceptance, running, bucket, in_step) \
-            else None
+        rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in (k, running)}
+        return k if rate[k] >= (1 - FAR_EXPLORE_GAP) * rate[running] else None
 
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
                 switched: bool = False) -> None:

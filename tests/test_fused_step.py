@@ -13,7 +13,8 @@ from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
                                   EXPLORE_SHARE, FAR_EXPLORE_GAP, FAR_EXPLORE_LAPS, ROWS_APART_PER_TOKEN,
-                                  rows_apart_cost, tokens_per_second, EXPLORE_SMOOTHING, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
+                                  rows_apart_cost, tokens_per_second, EXPLORE_SMOOTHING, EXPLORE_STEPS,
+                                  LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
                                   STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
                                   AdaptiveK, choose_k, expected_tokens_per_step, explore_every, speedup_limit,
                                   stop_margin)
