@@ -336,7 +336,7 @@ def test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure():
     assert ks[0] == 2 and ks[-1] == 1, ks
     policy.observe(1, 1, true[1])  # K = 1's first steady step back
     before = dict(policy.step_seconds[1])
-    slower = 1.15  # the machine slows: K = 1's steps alone would put it 9% under K = 2's figure
+    slower = 1.15  # the machine slows: K = 1's steps alone would put it 8% under K = 2's figure
     for _ in range(TAKEOVER_STEPS):
         assert policy.k_for(1, acceptance) == 1
         policy.observe(1, 1, slower * true[1])
