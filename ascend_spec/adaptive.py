@@ -8,7 +8,8 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   scales the bucket's figures, so K values that do not run keep no stale warm-up figures.
 - What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
   another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
-  replaces its warm-up figure, later ones are averaged). A lower K trailing the running one far
+  replaces its warm-up figure, later ones are averaged; a K that ran counts its steady figure as one such step, as
+  others' takeovers and drift leave it stale). A lower K trailing the running one far
   (``FAR_EXPLORE_GAP``) is explored on one of its turns in ``FAR_EXPLORE_LAPS``: all it can learn is its cost.
 - What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``), drawn towards
   the bucket's average over every K, and added to a step's figure when K is chosen: it differs by K and does not
@@ -19,6 +20,9 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
   that takes over on a figure warm-up or explorations set corrects it on its first ``TAKEOVER_STEPS`` steady
   steps, then scales every K's; one back on a figure its own steady steps set scales every K's from the first
   (drift they all share must not push it under the K it took over from).
+- A drafting K near the running one on a figure explorations set runs a trial of ``TRIAL_STEPS`` steps in a row every
+  ``TRIAL_EVERY`` steps at most, correcting its own figure as a K that took over does; then the K it interrupted
+  is the incumbent again, which the tried K must beat by the margin.
 - Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
   drafting K (first the deepest within ``SWITCH_MARGIN`` of it: it learns the most positions) and explores
   nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
@@ -51,13 +55,24 @@ EXPLORE_STEPS = 2
 #: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
 COST_SMOOTHING = 0.2
 #: an explored K's n-th measured step weighs 1/n down to this: the first replaces the warm-up figure, later ones
-#: average out one step's noise instead of following it
+#: average out one step's noise instead of following it. A K's own steady figure counts as one measured step: it
+#: goes stale once the K stops running (batch 4, mixed lengths: K = 2 stayed priced 30% over three explorations of
+#: 11.4-12.4 ms for rounds, each moving it by this floor)
 EXPLORE_SMOOTHING = 0.2
 #: steady steps of a K that has just taken over that move its own figure, not every K's: it was priced on
 #: explorations, single steps among another K's, which ran under its steady steps (batch 1: K = 3 at 8.2 ms
 #: explored, 9.0 ms in a run of its own), so scaling every K by them kept the error and held the K for hundreds of
 #: steps
 TAKEOVER_STEPS = 16
+#: a drafting K near the running one (expected tokens/s within this share below it, or above it by less than the
+#: switch margin) whose figure rests on explorations runs a trial: ``TRIAL_STEPS`` steps in a row, which price it
+#: as its own steady steps do. Explored steps run among another K's and miss that figure either way (batch 4,
+#: mixed lengths: K = 2 explored at 14.0 ms, 11.2 on its own steps). Not K = 0: it must beat a drafting K by
+#: ``stop_margin``, more than a trial this near shows at a bucket of one, and its steps age the acceptance
+TRIAL_GAP = 0.10
+TRIAL_STEPS = TAKEOVER_STEPS
+#: steps of a bucket between the starts of two trials: at most TRIAL_GAP × TRIAL_STEPS / TRIAL_EVERY of a run
+TRIAL_EVERY = 512
 #: a step counts at most this multiple of its K's running cost: one stalled step must not move the figures far
 OBSERVE_CLIP = 1.5
 #: a running K gives way only to one expected to yield this much more per second: each change costs a rebuild
@@ -169,7 +184,8 @@ class AdaptiveK:
     #: and those steps' count
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: steps that measured each K's own figure per bucket (explored, or running): an explored K's weight
+    #: explored steps per bucket and K since its figure last rested on its own steady steps (which count as one):
+    #: an explored step's weight
     measured: dict[int, dict[int, int]] = field(default_factory=dict)
     #: seconds a change of K costs per bucket (the batch rebuilt, the MTP catch-up out of K = 0): a running figure
     switch_seconds: dict[int, float] = field(default_factory=dict)
@@ -187,6 +203,15 @@ class AdaptiveK:
     _taking_over: dict[int, int] = field(default_factory=dict)
     #: K values per bucket whose figure rests on their own steady steps (run, and not explored since)
     _steady: dict[int, set[int]] = field(default_factory=dict)
+    #: per bucket under a trial: the K it interrupted, and the trial's steps left to run
+    _trial: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: steps each bucket ran since its last trial began
+    _since_trial: dict[int, int] = field(default_factory=dict)
+
+    def restart(self) -> None:
+        """Forget each bucket's choice and any trial under way; the step costs stay."""
+        self.chosen.clear()
+        self._trial.clear()
 
     def between(self, bucket: int, k: int) -> float:
         """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps: its own steps'
@@ -228,7 +253,16 @@ class AdaptiveK:
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
+        self._exploring[bucket] = None
+        if bucket in self._trial:
+            back, left = self._trial[bucket]
+            if left:
+                self._trial[bucket] = (back, left - 1)
+                return self.chosen[bucket]
+            del self._trial[bucket]
+            self.chosen[bucket] = back
         since = self._since[bucket] = self._since.get(bucket, 0) + 1
+        since_trial = self._since_trial[bucket] = self._since_trial.get(bucket, 0) + 1
         total = {j: c + self.between(bucket, j) for j, c in costs.items()}
         current = self.chosen.get(bucket)
         drafting = {j: c for j, c in total.items() if j}
@@ -238,8 +272,15 @@ class AdaptiveK:
                                            in_step)
         if current is not None and k != current:  # a K back on a figure its own steady steps set needs no correction
             self._taking_over[bucket] = 0 if k in self._steady.get(bucket, ()) else TAKEOVER_STEPS
-        self._exploring[bucket] = None
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
+        if since_trial >= TRIAL_EVERY and since <= every - EXPLORE_STEPS:
+            tried = self._tried(bucket, k, total, acceptance, in_step)
+            self._since_trial[bucket] = 0 if tried is not None else TRIAL_EVERY - EXPLORE_EVERY  # look again later
+            if tried is not None:
+                self._trial[bucket] = (k, TRIAL_STEPS - 1)
+                self._taking_over[bucket] = TRIAL_STEPS - 1  # its first step is a change's: it moves nothing
+                self.chosen[bucket] = tried
+                return tried
         if since > every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position. Counted from the last exploration, so a change
@@ -269,6 +310,16 @@ class AdaptiveK:
         rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in (k, running)}
         return k if rate[k] >= (1 - FAR_EXPLORE_GAP) * rate[running] else None
 
+    def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
+               in_step: float) -> int | None:
+        """The K a trial of ``bucket`` runs now: the best drafting one near ``running`` (``TRIAL_GAP``) whose figure
+        is not its own steady steps', or None."""
+        steady = self._steady.get(bucket, set())
+        rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in total
+                if j == running or (j and j not in steady and j not in self.pending)}
+        near = [j for j in rate if j != running and rate[j] >= (1 - TRIAL_GAP) * rate[running]]
+        return max(near, key=lambda j: (rate[j], -j)) if near else None
+
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
                 switched: bool = False) -> None:
         """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
@@ -289,9 +340,9 @@ class AdaptiveK:
             steps[k] = steps.get(k, 0) + 1
         seen = min(seconds, OBSERVE_CLIP * costs[k])
         measured = self.measured.setdefault(bucket, {})
-        measured[k] = measured.get(k, 0) + 1
         steady = self._steady.setdefault(bucket, set())
         if k == self._exploring.pop(bucket, None):  # one step per k_for: the next is the running K's unless told
+            measured[k] = measured.get(k, 0) + 1
             costs[k] += max(EXPLORE_SMOOTHING, 1 / measured[k]) * (seen - costs[k])
             steady.discard(k)
             return
@@ -304,3 +355,4 @@ class AdaptiveK:
                 costs[j] *= scale
         if k == self.chosen.get(bucket):
             steady.add(k)
+            measured[k] = 1

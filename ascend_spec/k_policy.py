@@ -129,7 +129,7 @@ class KPolicy:
         chosen; the step costs measured so far stay."""
         self.acceptance = AcceptanceTracker.empty(self.k_max)
         self.learning_steps = 0
-        self.costs.chosen.clear()
+        self.costs.restart()
 
     def bucket_for(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests; None above the largest."""

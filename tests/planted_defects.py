@@ -52,6 +52,12 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``takeover_on_a_steady_figure``: a K back on a figure its own steady steps set corrects it alone, as one priced
   by explorations does. Fails
   ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
+- ``no_trials``: no K near the running one runs a trial. Fails
+  ``test_fused_step.py::test_a_near_k_priced_by_explorations_runs_a_trial_of_its_own_steps`` (the near cases).
+- ``trial_of_plain_decoding``: K = 0 runs trials as a drafting K does. Fails the same test's far-and-plain-near case.
+- ``steady_figure_weighs_every_step``: a K that ran counts each of its steps as a measured one, so explorations
+  after its run weigh the floor. Fails
+  ``test_fused_step.py::test_explored_figures_replace_warm_up_then_average_their_steps``.
 """
 from __future__ import annotations
 
@@ -283,5 +289,46 @@ def takeover_on_a_steady_figure() -> None:
     def observe(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         self._steady.clear()  # the defect: no K's figure counts as set by its own steady steps
+
+    AdaptiveK.observe = observe
+
+
+@_plant
+def no_trials() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    AdaptiveK._tried = lambda self, *args: None  # the defect: no near K is ever tried
+
+
+@_plant
+def trial_of_plain_decoding() -> None:
+    from ascend_spec.adaptive import TRIAL_GAP, AdaptiveK, tokens_per_second
+
+    def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
+               in_step: float) -> int | None:
+        steady = self._steady.get(bucket, set())
+        # the defect: K = 0 is a candidate as a drafting K is
+        rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in total
+                if j == running or (j not in steady and j not in self.pending)}
+        near = [j for j in rate if j != running and rate[j] >= (1 - TRIAL_GAP) * rate[running]]
+        return max(near, key=lambda j: (rate[j], -j)) if near else None
+
+    AdaptiveK._tried = _tried
+
+
+@_plant
+def steady_figure_weighs_every_step() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    original = AdaptiveK.observe
+
+    def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
+                switched: bool = False) -> None:
+        original(self, bucket, k, seconds, between, switched)
+        if not switched and k in self.step_seconds.get(bucket, {}):
+            # the defect: every step of a K counts as a measured one, its running steps too
+            counts = self.__dict__.setdefault("_every_step", {}).setdefault(bucket, {})
+            counts[k] = counts.get(k, 0) + 1
+            self.measured[bucket][k] = counts[k]
 
     AdaptiveK.observe = observe

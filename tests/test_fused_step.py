@@ -1,6 +1,7 @@
 """The fused one-graph step: same tokens as the step-by-step path, no host syncs, one device -> host read per step,
 K chosen per bucket."""
 import dataclasses
+import itertools
 import math
 from collections import Counter
 
@@ -16,6 +17,7 @@ from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_E
                                   rows_apart_cost, tokens_per_second, EXPLORE_SMOOTHING, EXPLORE_STEPS,
                                   LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
                                   STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
+                                  TRIAL_EVERY, TRIAL_STEPS,
                                   AdaptiveK, choose_k, expected_tokens_per_step, explore_every, speedup_limit,
                                   stop_margin)
 from ascend_spec.graph.mla_kernels import live_blocks
@@ -245,7 +247,7 @@ def explore(policy: AdaptiveK, bucket: int, acceptance: list[float], k: int) -> 
     raise AssertionError(f"K = {k} was not explored in bucket {bucket}")
 
 
-def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps():
+def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps(monkeypatch):
     """Exploring a K below the running one measures its step cost alone (the running K verifies every position it
     drafts), and out of K = 0 it pays the MTP catch-up: where that K trails the running one by more than
     FAR_EXPLORE_GAP its turn comes one lap in FAR_EXPLORE_LAPS. A lower K near the running one, and a higher one
@@ -254,6 +256,7 @@ def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps():
     costs = {0: 1.0, 1: 1.1, 2: 1.5, 3: 3.0}
     rate = {k: tokens_per_second(costs, acceptance, k) for k in costs}
     assert rate[0] < (1 - FAR_EXPLORE_GAP) * rate[2] < rate[1] and rate[3] < (1 - FAR_EXPLORE_GAP) * rate[2]
+    monkeypatch.setattr(adaptive, "TRIAL_EVERY", math.inf)  # no trial of K = 1 (near): the turns show alone
     policy = AdaptiveK(3, step_seconds={1: dict(costs)}, chosen={1: 2})
     laps = 2 * FAR_EXPLORE_LAPS
     ks = [policy.k_for(1, acceptance) for _ in range(3 * laps * EXPLORE_EVERY)]
@@ -345,10 +348,41 @@ def test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure():
     assert after[2] / after[1] == pytest.approx(before[2] / before[1])  # ... in every K's figure alike
 
 
+@pytest.mark.parametrize("explored_k2, steady_k2, k0", [(1.72, 1.5, 1.0), (1.72, 1.72, 1.0), (2.1, 2.1, 1.0),
+                                                         (2.1, 2.1, 0.72)],
+                         ids=["near-cheaper-in-a-row", "near-as-dear-in-a-row", "far", "far-and-plain-near"])
+def test_a_near_k_priced_by_explorations_runs_a_trial_of_its_own_steps(explored_k2, steady_k2, k0):
+    """Explored steps run among another K's and can price a K dear (batch 4, mixed lengths: K = 2 explored at
+    8.6 ms under K = 3, which held on 10% slower than fixed K = 2). A K near the running one whose figure rests on
+    explorations runs TRIAL_STEPS in a row once in TRIAL_EVERY steps: if its own steps are cheaper it takes over,
+    if not the running K is back after the trial. A K far behind gets no trial, nor does K = 0, near or not (it
+    must beat a drafting K by the stop margin)."""
+    acceptance = [0.8, 0.7, 0.7]
+    policy = AdaptiveK(3, step_seconds={1: {0: k0, 1: 1.6, 2: explored_k2, 3: 1.9}}, chosen={1: 3})
+    ks, previous, in_a_row = [], 3, 0
+    for _ in range(TRIAL_EVERY + 4 * TRIAL_STEPS):
+        k = policy.k_for(1, acceptance)
+        in_a_row = 1 if k != previous else in_a_row + 1
+        # K = 2's steps cost ``explored_k2`` as explorations (two in a row), ``steady_k2`` from the third on
+        seconds = {0: k0, 1: 1.6, 2: explored_k2 if in_a_row <= EXPLORE_STEPS else steady_k2, 3: 1.9}[k]
+        policy.observe(1, k, seconds, switched=k != previous)
+        ks.append(previous := k)
+    runs = [(k, len(list(group))) for k, group in itertools.groupby(ks)]
+    trials = [(k, n) for k, n in runs if k != 3 and n > EXPLORE_STEPS]
+    if steady_k2 < explored_k2:  # K = 2 runs a trial and stays: its own steps make it 8.6% better than K = 3
+        assert trials[0][0] == 2 and trials[0][1] > TRIAL_STEPS, runs
+        assert policy.chosen[1] == 2
+    elif explored_k2 < 2:  # one trial of TRIAL_STEPS, then K = 3 again
+        assert trials == [(2, TRIAL_STEPS)], runs
+        assert ks[-1] == 3 and policy.chosen[1] == 3
+    else:  # K = 2 trails K = 3 by 22%, K = 1 by 22%, K = 0 by 31% or 4%: explorations only
+        assert trials == [] and 2 in ks and 0 in ks, runs
+
+
 def test_explored_figures_replace_warm_up_then_average_their_steps():
     """An explored K's first measured step replaces its warm-up figure (an inert batch at a short context); later
-    ones weigh 1/n down to ``EXPLORE_SMOOTHING``, so one step's noise does not set the figure; a K that ran was
-    measured on every step and weighs the floor at once."""
+    ones weigh 1/n down to ``EXPLORE_SMOOTHING``, so one step's noise does not set the figure. A K that ran counts
+    its steady figure as one step: others' takeovers and drift leave it stale once it stops running."""
     policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 3.0, 2: 2.0}}, chosen={8: 2})  # K = 1 never pays
     samples = [2.6, 3.0, 2.4, 2.8]
     for n, seconds in enumerate(samples, 1):
@@ -362,14 +396,15 @@ def test_explored_figures_replace_warm_up_then_average_their_steps():
     explore(policy, 8, [0.9, 0.9], 1)
     policy.observe(8, 1, 2.7 + 0.5)  # one noisy step moves the figure by its floor's share of the difference
     assert policy.step_seconds[8][1] == pytest.approx(2.7 + 0.5 * EXPLORE_SMOOTHING)
-    for _ in range(3):  # K = 2 runs: measured on each of its steps
+    for _ in range(3):  # K = 2 runs: its steady steps set its figure
         policy.observe(8, 2, 2.0)
     poor = [0.1, 0.1]
     assert policy.k_for(8, poor) == 0  # drafts stop paying: K = 0 runs, K = 2 is explored from now on
-    explore(policy, 8, poor, 2)
-    two = policy.step_seconds[8][2]
-    policy.observe(8, 2, two + 0.5)
-    assert policy.step_seconds[8][2] == pytest.approx(two + 0.5 / 4)  # its fourth measured step
+    for n in (2, 3):  # its n-th measured step since it ran
+        explore(policy, 8, poor, 2)
+        two = policy.step_seconds[8][2]
+        policy.observe(8, 2, two + 0.5)
+        assert policy.step_seconds[8][2] == pytest.approx(two + 0.5 / n)
 
 
 def test_a_k_that_runs_but_is_not_explored_scales_every_figure():
