@@ -17,15 +17,18 @@ interleaved), then followed by the run's own steps (graph and host; prefills are
 - A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
   threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
   spaces explorations; the step after a change moves no figure (it runs on the caches the other K left). A K
-  that takes over on a figure warm-up or explorations set corrects it on its first ``TAKEOVER_STEPS`` steady
-  steps, then scales every K's; one back on a figure its own steady steps set scales every K's from the first
-  (drift they all share must not push it under the K it took over from).
+  that takes over from or to K = 0 on a figure warm-up or explorations set corrects it on its first
+  ``TAKEOVER_STEPS`` steady steps, then scales every K's; one back on a figure its own steady steps set scales
+  every K's from the first (drift they all share must not push it under the K it took over from).
 - A drafting K near the running one on a figure explorations set runs a trial of ``TRIAL_STEPS`` steps in a row every
   ``TRIAL_EVERY`` steps at most, correcting its own figure as a K that took over does; then the K it interrupted
-  is the incumbent again, which the tried K must beat by the margin.
+  is the incumbent again, which the tried K must beat by the margin. A drafting K that would take over from
+  another on such a figure runs a trial first as well: kept on as the incumbent, it held on by the margin.
 - Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
   drafting K (first the deepest within ``SWITCH_MARGIN`` of it: it learns the most positions) and explores
   nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
+  Its figures weigh a position offered few drafts (``k_policy.LEARN_POSITION_DRAFTS``) at the rate of the one
+  before: a step down stops drafting it.
 - A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
   step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step
   reserves no draft room (the scheduler asks the K policy before it makes room).
@@ -270,17 +273,19 @@ class AdaptiveK:
             current = choose_k(drafting, acceptance, None, bucket, in_step=in_step)
         k = self.chosen[bucket] = choose_k(total, acceptance, current, bucket, self.switch_steps(bucket, current),
                                            in_step)
-        if current is not None and k != current:  # a K back on a figure its own steady steps set needs no correction
-            self._taking_over[bucket] = 0 if k in self._steady.get(bucket, ()) else TAKEOVER_STEPS
+        if current is not None and k != current:
+            if k in self._steady.get(bucket, ()):  # back on a figure its own steady steps set: no correction
+                self._taking_over[bucket] = 0
+            elif k and current:  # a drafting K priced by explorations: a trial first, then it must beat ``current``
+                return self._start_trial(bucket, current, k)
+            else:
+                self._taking_over[bucket] = TAKEOVER_STEPS
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
         if since_trial >= TRIAL_EVERY and since <= every - EXPLORE_STEPS:
             tried = self._tried(bucket, k, total, acceptance, in_step)
             self._since_trial[bucket] = 0 if tried is not None else TRIAL_EVERY - EXPLORE_EVERY  # look again later
             if tried is not None:
-                self._trial[bucket] = (k, TRIAL_STEPS - 1)
-                self._taking_over[bucket] = TRIAL_STEPS - 1  # its first step is a change's: it moves nothing
-                self.chosen[bucket] = tried
-                return tried
+                return self._start_trial(bucket, k, tried)
         if since > every - EXPLORE_STEPS:
             # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
             # turns bring acceptance figures for every position. Counted from the last exploration, so a change
@@ -295,6 +300,13 @@ class AdaptiveK:
                 self._explorations[bucket] = self._explorations.get(bucket, 0) + 1
                 del self._window[bucket]
         return k
+
+    def _start_trial(self, bucket: int, back: int, tried: int) -> int:
+        """Run ``tried`` for ``TRIAL_STEPS`` steps in ``bucket``, correcting its own figure, then ``back`` again."""
+        self._trial[bucket] = (back, TRIAL_STEPS - 1)
+        self._taking_over[bucket] = TRIAL_STEPS - 1  # its first step is a change's: it moves nothing
+        self.chosen[bucket] = tried
+        return tried
 
     def _explored(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                   in_step: float) -> int | None:

@@ -36,8 +36,13 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_fused_step.py::test_a_k_explored_on_a_few_steps_is_priced_at_the_buckets_between_not_at_nothing`` and
   ``test_fused_step.py::test_what_runs_between_steps_counts_per_k_and_large_buckets_stop_for_less``.
 - ``takeover_scales_every_k``: a K that takes over scales every K's figure by its steps from the first, so a K
-  explored cheap keeps its error. Fails
-  ``test_fused_step.py::test_a_k_that_takes_over_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap``.
+  explored cheap keeps its error. Fails ``test_fused_step.py::
+  test_a_k_that_takes_over_from_plain_decoding_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap``.
+- ``takeover_without_trial``: a drafting K that takes over from another on explored figures is the incumbent at
+  once. Fails ``test_fused_step.py::test_a_drafting_k_taking_over_on_explored_figures_runs_a_trial_then_must_win_again``
+  (the near tie).
+- ``learning_on_a_few_drafts``: learning weighs every position's figure, however few drafts it rests on. Fails
+  ``test_fused_step.py::test_learning_steps_down_only_on_positions_offered_enough_drafts``.
 - ``sample_first_slot``: the MTP layer reads every row's first verified slot, not its last accepted one. Fails
   ``test_fused_step.py::test_a_step_verifying_fewer_drafts_than_its_k_drafts_from_its_last_accepted_token``
   (MTP cache entries unlike those of a run at one K).
@@ -332,3 +337,30 @@ def steady_figure_weighs_every_step() -> None:
             self.measured[bucket][k] = counts[k]
 
     AdaptiveK.observe = observe
+
+
+@_plant
+def takeover_without_trial() -> None:
+    from ascend_spec.adaptive import TAKEOVER_STEPS, AdaptiveK
+
+    original = AdaptiveK.k_for
+
+    def k_for(self, bucket: int, acceptance: list[float], in_step: float = 1.0) -> int:
+        under_trial = bucket in self._trial
+        k = original(self, bucket, acceptance, in_step)
+        if not under_trial and bucket in self._trial and self._since_trial.get(bucket):  # not a periodic trial
+            # the defect: a drafting K that takes over on explored figures is the incumbent at once
+            del self._trial[bucket]
+            self._taking_over[bucket] = TAKEOVER_STEPS
+        return k
+
+    AdaptiveK.k_for = k_for
+
+
+@_plant
+def learning_on_a_few_drafts() -> None:
+    from ascend_spec.k_policy import AcceptanceTracker
+
+    original = AcceptanceTracker.rates
+    # the defect: every position's figure counts, however few drafts it rests on
+    AcceptanceTracker.rates = lambda self, min_drafts=0: original(self)
