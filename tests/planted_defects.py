@@ -40,7 +40,7 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   test_a_k_that_takes_over_from_plain_decoding_corrects_its_own_figure_and_gives_way_if_it_was_priced_cheap``.
 - ``takeover_without_trial``: a drafting K that takes over from another on explored figures is the incumbent at
   once. Fails ``test_fused_step.py::test_a_drafting_k_taking_over_on_explored_figures_runs_a_trial_then_must_win_again``
-  (the near tie).
+  (the near tie) and ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
 - ``learning_on_a_few_drafts``: learning weighs every position's figure, however few drafts it rests on. Fails
   ``test_fused_step.py::test_learning_steps_down_only_on_positions_offered_enough_drafts``.
 - ``sample_first_slot``: the MTP layer reads every row's first verified slot, not its last accepted one. Fails
