@@ -115,6 +115,74 @@ def test_a_copy_of_a_contender_comes_to_1x_the_best_picked_on_the_other_rounds()
     assert statistics.geometric_mean(held_out) == pytest.approx(1.0, abs=0.01)
 
 
+def noisy_runs(bench, rounds: int, rng: random.Random, adaptive: float = 0.9) -> dict:  # noqa: ANN001 - a module
+    """Runs of ``rounds`` rounds whose machine speed swings 1.5x from round to round and each contender's run is ±5%
+    on its own: K=2 is the best (1.3x no-spec), adaptive ``adaptive`` of it in each round."""
+    truth = {"no-spec": 1.0, "K=1": 1.1, "K=2": 1.3, "adaptive": 1.3 * adaptive}
+    speeds = [rng.uniform(0.8, 1.2) for _ in range(rounds)]
+    return {n: [bench.Tally(tokens=1e4 * rate * speed * rng.lognormvariate(0, 0.05), seconds=1.0) for speed in speeds]
+            for n, rate in truth.items()}
+
+
+def test_a_cells_interval_keeps_a_rounds_runs_together_and_narrows_with_rounds():
+    """The bootstrap draws rounds, not runs: where adaptive is 0.9x the best in every round, however far the rounds
+    lie apart, every draw gives 0.9x; with noise of its own the interval holds the cell's figure and narrows as
+    rounds are added."""
+    bench = bench_module()
+    rng = random.Random(0)
+    runs = noisy_runs(bench, 6, rng)
+    runs["adaptive"] = [bench.Tally(tokens=0.9 * t.tokens, seconds=1.0) for t in runs["K=2"]]
+    assert bench.interval_vs_best(runs) == pytest.approx((0.9, 0.9))
+    widths = {}
+    for rounds in (6, 24):
+        width = []
+        for _ in range(20):
+            runs = noisy_runs(bench, rounds, rng)
+            rows = [{"batch": 1, "contender": n, "vs_no_spec": bench.per_round_ratio(runs[n], runs["no-spec"])}
+                    for n in runs]
+            low, high = bench.interval_vs_best(runs, draws=400)
+            assert low <= bench.against_best(rows)[0]["ratio"] <= high
+            width.append(high - low)
+        widths[rounds] = statistics.median(width)
+    assert 0.02 < widths[24] < 0.7 * widths[6]
+    assert bench.interval_vs_best({n: r[:1] for n, r in runs.items()}) is None  # one round
+
+
+def test_a_cells_interval_holds_the_truth_in_most_runs():
+    """Adaptive 0.9x the best, each run ±5%: the 90% interval of six rounds holds 0.9 in most runs."""
+    bench = bench_module()
+    rng = random.Random(1)
+    held = [low <= 0.9 <= high for low, high in (bench.interval_vs_best(noisy_runs(bench, 6, rng), draws=400)
+                                                 for _ in range(100))]
+    assert sum(held) >= 75
+
+
+def report(bench, runs: dict, **meta) -> dict:  # noqa: ANN001 - a module
+    """A bench report (``results.json``) of one batch's ``runs``."""
+    return {"meta": {"machine": "cpu", "max_tokens": 128, "length_spread": 64, "twin": 2, **meta},
+            "end_to_end": [{"batch": 4, "contender": n, "tokens_per_s_per_round": [t.tokens_per_s for t in ts]}
+                           for n, ts in runs.items()]}
+
+
+def test_pooled_reports_give_the_cells_of_their_rounds_together():
+    """``bench_pool.py`` over two reports computes each cell on both reports' rounds as one run of them all would."""
+    bench, pool = bench_module(), tool_module("bench_pool")
+    rng = random.Random(2)
+    first, second = noisy_runs(bench, 6, rng), noisy_runs(bench, 4, rng)
+    for runs in (first, second):
+        runs[bench.twin_name(2)] = [bench.Tally(tokens=t.tokens * rng.uniform(0.9, 1.1), seconds=1.0)
+                                    for t in runs["K=2"]]
+    both = {n: first[n] + second[n] for n in first}
+    versus, twins = pool.pooled_cells(pool.pooled_runs([report(bench, first), report(bench, second)]))
+    rows = [{"batch": 4, "contender": n, "vs_no_spec": bench.per_round_ratio(both[n], both["no-spec"])} for n in both]
+    assert versus == [{**bench.against_best(rows)[0], "held_out": pytest.approx(bench.against_held_out_best(both)),
+                       "interval": pytest.approx(bench.interval_vs_best(both))}]
+    assert versus[0]["ratio"] == pytest.approx(bench.against_best(rows)[0]["ratio"])
+    assert twins[0]["vs_original"] == pytest.approx(bench.per_round_ratio(both["K=2 again"], both["K=2"]))
+    with pytest.raises(ValueError, match="meta\\['length_spread'\\] is 0"):
+        pool.pooled_runs([report(bench, first), report(bench, second, length_spread=0)])
+
+
 def test_bench_prices_adaptive_ks_choices_at_the_fixed_runs_rates():
     """Adaptive K's mix of K priced at each K's fixed run of the same round (tokens and seconds per step), over the
     best's tokens/s, median of rounds: its choices without its own run's noise."""

@@ -368,18 +368,21 @@ def main() -> None:
         row["choices"] = choices_vs_best(runs[(b, "adaptive")], {k: runs[(b, n)] for k, n in fixed.items()},
                                          runs[(b, row["best"])])
         row["held_out"] = against_held_out_best({n: runs[(b, n)] for n in contenders})
-        print(f"batch {b}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']}), "
-              f"{fmt(row['held_out'])}x the best picked on the other rounds; its choices {fmt(row['choices'])}x",
-              flush=True)
+        row["interval"] = interval_vs_best({n: runs[(b, n)] for n in contenders})
+        print(f"batch {b}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']}; "
+              f"{fmt_interval(row['interval'])}), {fmt(row['held_out'])}x the best picked on the other rounds; "
+              f"its choices {fmt(row['choices'])}x", flush=True)
     twins = []
     if args.twin:
         name, original = twin_name(args.twin), f"K={args.twin}"
         for row in against_best(rows, name):
             b = row["batch"]
             twins.append({**row, "twin": name, "vs_original": per_round_ratio(runs[(b, name)], runs[(b, original)]),
-                          "held_out": against_held_out_best({n: runs[(b, n)] for n in contenders}, name)})
+                          "held_out": against_held_out_best({n: runs[(b, n)] for n in contenders}, name),
+                          "interval": interval_vs_best({n: runs[(b, n)] for n in contenders}, name)})
             print(f"batch {b}: {name} {twins[-1]['vs_original']:.2f}x {original}, {row['ratio']:.2f}x the best "
-                  f"({row['best']}), {fmt(twins[-1]['held_out'])}x the best picked on the other rounds", flush=True)
+                  f"({row['best']}; {fmt_interval(twins[-1]['interval'])}), {fmt(twins[-1]['held_out'])}x the "
+                  "best picked on the other rounds", flush=True)
     for line in summary_lines(versus, twins):
         print(line, flush=True)
     machine = torch.cuda.get_device_name() if eng.device.type == "cuda" else cpu_kind()
@@ -464,6 +467,32 @@ def against_held_out_best(runs: dict[str, list[Tally]], contender: str = "adapti
     return statistics.median(ratios)
 
 
+#: share of bootstrap draws an interval holds, and the draws
+INTERVAL_LEVEL = 0.9
+INTERVAL_DRAWS = 2000
+
+
+def interval_vs_best(runs: dict[str, list[Tally]], contender: str = "adaptive", level: float = INTERVAL_LEVEL,
+                     draws: int = INTERVAL_DRAWS, seed: int = 0) -> tuple[float, float] | None:
+    """The ``level`` bootstrap interval of ``against_best``'s figure: rounds drawn with replacement (one draw of
+    round numbers for every contender, so a round's runs stay together), the best picked and ``contender`` set
+    against it on each draw. How far a cell's figure may lie from the one more rounds would give: on this kind of
+    machine a contender's own figure moves by 1.45x between rounds. None with one round."""
+    import numpy as np
+
+    others = [n for n in runs if n not in (contender, "adaptive") and not n.endswith(TWIN_SUFFIX)]
+    rounds = len(runs["no-spec"])
+    if rounds < 2 or contender not in runs or not others:
+        return None
+    base = np.array([t.tokens_per_s for t in runs["no-spec"]])
+    vs = {n: np.array([t.tokens_per_s for t in runs[n]]) / base for n in [contender, *others]}
+    picks = np.random.default_rng(seed).integers(0, rounds, size=(draws, rounds))
+    cell = {n: np.median(v[picks], axis=1) for n, v in vs.items()}
+    figure = cell[contender] / np.max([cell[n] for n in others], axis=0)
+    low, high = np.quantile(figure, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
 def priced_mix(adaptive: Tally, fixed: dict[int, Tally]) -> float | None:
     """Tokens/s adaptive K's steps would have made at the fixed runs' own rates: its steps at each K priced at the
     tokens and seconds a step of that K's fixed run made and took (prefills and the loop included). None where it
@@ -491,6 +520,10 @@ def choices_vs_best(adaptive: list[Tally], fixed: dict[int, list[Tally]], best: 
 
 def fmt(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
+
+
+def fmt_interval(interval: tuple[float, float] | list[float] | None) -> str:
+    return "—" if interval is None else f"{interval[0]:.2f}–{interval[1]:.2f}"
 
 
 def summary_lines(versus: list[dict], twins: list[dict]) -> list[str]:
@@ -568,6 +601,12 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
     ax.legend()
     ax.grid(alpha=0.3)
     vs_ax.bar([str(v["batch"]) for v in versus], [v["ratio"] for v in versus], color="tab:purple")
+    bounded = [v for v in versus if v.get("interval") is not None]
+    if bounded:
+        vs_ax.errorbar([str(v["batch"]) for v in bounded], [v["ratio"] for v in bounded], fmt="none", ecolor="black",
+                       yerr=[[v["ratio"] - v["interval"][0] for v in bounded],
+                             [v["interval"][1] - v["ratio"] for v in bounded]],
+                       capsize=3, label=f"adaptive ÷ best, {INTERVAL_LEVEL:.0%} interval")
     for i, v in enumerate(versus):
         vs_ax.annotate(f"best: {v['best']}", (i, 0.02), ha="center", va="bottom", fontsize=7, color="white")
     if twins:
@@ -616,24 +655,26 @@ def write_report(out: Path, rows: list[dict], accounts: list[dict], meta: dict, 
     if versus:
         lines += ["", f"Adaptive K (the default) against the best other contender in each batch, their × no-spec "
                   f"figures over each other (goal ≥ {ADAPTIVE_GOAL}):", "",
-                  "| batch | best other | adaptive ÷ best | ÷ best picked on the other rounds | its choices ÷ best "
-                  "|", "|---|---|---|---|---|"]
-        lines += [f"| {v['batch']} | {v['best']} | {v['ratio']:.2f} | {fmt(v.get('held_out'))} | "
-                  f"{fmt(v.get('choices'))} |" for v in versus]
+                  f"| batch | best other | adaptive ÷ best | {INTERVAL_LEVEL:.0%} interval | ÷ best picked on the "
+                  "other rounds | its choices ÷ best |", "|---|---|---|---|---|---|"]
+        lines += [f"| {v['batch']} | {v['best']} | {v['ratio']:.2f} | {fmt_interval(v.get('interval'))} | "
+                  f"{fmt(v.get('held_out'))} | {fmt(v.get('choices'))} |" for v in versus]
         lines += ["", "÷ best picked on the other rounds: per round, adaptive over the contender with the best × "
                   "no-spec over the other rounds, in this round's runs (median of rounds): the best is not picked "
                   "on the luck of the runs it is measured in. Its choices: the K it ran on each step priced at what "
                   "a step of that K made and took in the same round's fixed run, over the best's tokens/s (median "
-                  "of rounds): what it chose, without what switching cost it and without its own run's noise."]
+                  "of rounds): what it chose, without what switching cost it and without its own run's noise. "
+                  f"The {INTERVAL_LEVEL:.0%} interval: adaptive ÷ best over rounds drawn with replacement "
+                  f"({INTERVAL_DRAWS} draws), how far the figure may lie from the one more rounds would give."]
     if twins:
         name, original = twins[0]["twin"], twins[0]["twin"].removesuffix(TWIN_SUFFIX)
         lines += ["", f"The noise floor: {original} ran twice, as two contenders ({name}). Measured as adaptive is, "
                   f"{name} ÷ best shows what noise and picking the best of several noisy contenders make of a "
                   "contender no worse than one of them:", "",
-                  f"| batch | {name} ÷ {original} | best other | {name} ÷ best | ÷ best picked on the other "
-                  "rounds |", "|---|---|---|---|---|"]
+                  f"| batch | {name} ÷ {original} | best other | {name} ÷ best | {INTERVAL_LEVEL:.0%} interval | "
+                  "÷ best picked on the other rounds |", "|---|---|---|---|---|---|"]
         lines += [f"| {t['batch']} | {t['vs_original']:.2f} | {t['best']} | {t['ratio']:.2f} | "
-                  f"{fmt(t.get('held_out'))} |" for t in twins]
+                  f"{fmt_interval(t.get('interval'))} | {fmt(t.get('held_out'))} |" for t in twins]
     if len(versus) > 1:
         lines += [""] + [f"{line[0].upper()}{line[1:]}." for line in summary_lines(versus, twins)]
     unsound = sorted({r["batch"] for r in rows if not r["baseline_sound"]})
