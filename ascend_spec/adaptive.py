@@ -276,7 +276,7 @@ class AdaptiveK:
         if current is not None and k != current:
             if k in self._steady.get(bucket, ()):  # back on a figure its own steady steps set: no correction
                 self._taking_over[bucket] = 0
-            elif k and current:  # a drafting K priced by explorations: a trial first, then it must beat ``current``
+            elif k and current:  # a drafting K priced by warm-up or explorations: a trial, then beat ``current``
                 return self._start_trial(bucket, current, k)
             else:
                 self._taking_over[bucket] = TAKEOVER_STEPS
