@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ascend_spec.adaptive import speedup_limit
@@ -476,10 +477,8 @@ def interval_vs_best(runs: dict[str, list[Tally]], contender: str = "adaptive", 
                      draws: int = INTERVAL_DRAWS, seed: int = 0) -> tuple[float, float] | None:
     """The ``level`` bootstrap interval of ``against_best``'s figure: rounds drawn with replacement (one draw of
     round numbers for every contender, so a round's runs stay together), the best picked and ``contender`` set
-    against it on each draw. How far a cell's figure may lie from the one more rounds would give: on this kind of
-    machine a contender's own figure moves by 1.45x between rounds. None with one round."""
-    import numpy as np
-
+    against it on each draw: how far a cell's figure may lie from the one more rounds would give. None with one
+    round."""
     others = [n for n in runs if n not in (contender, "adaptive") and not n.endswith(TWIN_SUFFIX)]
     rounds = len(runs["no-spec"])
     if rounds < 2 or contender not in runs or not others:
