@@ -362,28 +362,20 @@ def main() -> None:
                 limit = speedup_limit({0: one_token, k: graph_ms_per_step(ts)}, last.acceptance(), k)
                 row.update(limit=limit, efficiency=speedup / limit if sound else None)
             rows.append(row)
-    versus = against_best(rows)
+    by_batch = {b: {n: runs[(b, n)] for n in contenders} for b in args.batches}
+    versus, twins = cells_vs_best(rows, by_batch, twin_name(args.twin) if args.twin else None)
     fixed = {k: name for name, k in contenders.items() if k is not None and not name.endswith(TWIN_SUFFIX)}
     for row in versus:
         b = row["batch"]
         row["choices"] = choices_vs_best(runs[(b, "adaptive")], {k: runs[(b, n)] for k, n in fixed.items()},
                                          runs[(b, row["best"])])
-        row["held_out"] = against_held_out_best({n: runs[(b, n)] for n in contenders})
-        row["interval"] = interval_vs_best({n: runs[(b, n)] for n in contenders})
         print(f"batch {b}: adaptive {row['ratio']:.2f}x the best other contender ({row['best']}; "
               f"{fmt_interval(row['interval'])}), {fmt(row['held_out'])}x the best picked on the other rounds; "
               f"its choices {fmt(row['choices'])}x", flush=True)
-    twins = []
-    if args.twin:
-        name, original = twin_name(args.twin), f"K={args.twin}"
-        for row in against_best(rows, name):
-            b = row["batch"]
-            twins.append({**row, "twin": name, "vs_original": per_round_ratio(runs[(b, name)], runs[(b, original)]),
-                          "held_out": against_held_out_best({n: runs[(b, n)] for n in contenders}, name),
-                          "interval": interval_vs_best({n: runs[(b, n)] for n in contenders}, name)})
-            print(f"batch {b}: {name} {twins[-1]['vs_original']:.2f}x {original}, {row['ratio']:.2f}x the best "
-                  f"({row['best']}; {fmt_interval(twins[-1]['interval'])}), {fmt(twins[-1]['held_out'])}x the "
-                  "best picked on the other rounds", flush=True)
+    for t in twins:
+        print(f"batch {t['batch']}: {t['twin']} {t['vs_original']:.2f}x {t['twin'].removesuffix(TWIN_SUFFIX)}, "
+              f"{t['ratio']:.2f}x the best ({t['best']}; {fmt_interval(t['interval'])}), {fmt(t['held_out'])}x the "
+              "best picked on the other rounds", flush=True)
     for line in summary_lines(versus, twins):
         print(line, flush=True)
     machine = torch.cuda.get_device_name() if eng.device.type == "cuda" else cpu_kind()
@@ -490,6 +482,26 @@ def interval_vs_best(runs: dict[str, list[Tally]], contender: str = "adaptive", 
     figure = cell[contender] / np.max([cell[n] for n in others], axis=0)
     low, high = np.quantile(figure, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
+
+
+def cells_vs_best(rows: list[dict], runs: dict[int, dict[str, list[Tally]]],
+                  twin: str | None = None) -> tuple[list[dict], list[dict]]:
+    """Per batch (``runs``: each contender's tallies, round by round): adaptive K against the best other contender
+    (``against_best`` on ``rows``), with the best picked on the other rounds and the interval; and the same for
+    ``twin`` (None: no twin ran), with its ratio to the contender it copies."""
+    versus = against_best(rows)
+    for v in versus:
+        v["held_out"] = against_held_out_best(runs[v["batch"]])
+        v["interval"] = interval_vs_best(runs[v["batch"]])
+    twins = []
+    if twin is not None:
+        original = twin.removesuffix(TWIN_SUFFIX)
+        for t in against_best(rows, twin):
+            per_name = runs[t["batch"]]
+            twins.append({**t, "twin": twin, "vs_original": per_round_ratio(per_name[twin], per_name[original]),
+                          "held_out": against_held_out_best(per_name, twin),
+                          "interval": interval_vs_best(per_name, twin)})
+    return versus, twins
 
 
 def priced_mix(adaptive: Tally, fixed: dict[int, Tally]) -> float | None:

@@ -46,20 +46,8 @@ def pooled_cells(runs: dict[int, dict[str, list[bench.Tally]]]) -> tuple[list[di
     """Adaptive K's cells and a twin's (empty without one), as ``tools/bench.py`` reports them."""
     rows = [{"batch": b, "contender": name, "vs_no_spec": bench.per_round_ratio(ts, per_name["no-spec"])}
             for b, per_name in sorted(runs.items()) for name, ts in per_name.items()]
-    versus = bench.against_best(rows)
-    for v in versus:
-        v["held_out"] = bench.against_held_out_best(runs[v["batch"]])
-        v["interval"] = bench.interval_vs_best(runs[v["batch"]])
-    twins = []
     twin = next((n for n in runs[min(runs)] if n.endswith(bench.TWIN_SUFFIX)), None)
-    if twin is not None:
-        original = twin.removesuffix(bench.TWIN_SUFFIX)
-        for t in bench.against_best(rows, twin):
-            per_name = runs[t["batch"]]
-            twins.append({**t, "twin": twin, "vs_original": bench.per_round_ratio(per_name[twin], per_name[original]),
-                          "held_out": bench.against_held_out_best(per_name, twin),
-                          "interval": bench.interval_vs_best(per_name, twin)})
-    return versus, twins
+    return bench.cells_vs_best(rows, runs, twin)
 
 
 def main() -> None:
