@@ -52,6 +52,13 @@ class MtpTorchairProposer(MtpProposer):
         (1 + K) and prefill chunks up to the widest ``prefill_widths``, batches up to the largest bucket."""
         return self.graph.serves(batch, query)
 
+    def forward_tokens(self, batch: int, query: int) -> tuple[int, int]:
+        """Tokens the draft of ``batch`` requests × ``query`` tokens runs per forward pass: the first pass (the
+        graph's rows × width, or the call's own where it runs eagerly) and each chained step 2..K (one per row)."""
+        first = self.graph.tokens_for(batch, query)
+        rows = self.graph.bucket_for(batch) if self.graph.serves(batch, query) else None
+        return first, rows or batch
+
     def warm_steps(self, why: str = "the draft chain") -> list[WarmStep]:
         """The draft graph(s)' warm-up plan: one per bucket, largest first, where the backend compiles per shape,
         and per query width where a graph replays one shape (1 + K and each prefill width). Backends that take

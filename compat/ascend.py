@@ -22,8 +22,6 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-import torch
-
 from ascend_spec.config import ConfigError
 
 from . import ascend_hook
@@ -227,7 +225,7 @@ def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: 
 
 class AscendSpecNpuMixin(AscendSpecMtpMixin):
     """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
-    block_size)``, ``dummy_run``; the 4-tuple ``prepare_inputs_padded`` stays vllm-ascend's (it prepares the
+    block_size)``, ``dummy_run`` (its keywords; the base class's inert draft once ours is built); the 4-tuple ``prepare_inputs_padded`` stays vllm-ascend's (it prepares the
     metadata fallbacks use)."""
 
     #: vllm-ascend's MLA keeps the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` apart
@@ -242,20 +240,6 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
             self._ascend_block_size = block_size
         extra = () if block_size is None else (block_size,)
         super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
-
-    def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        """vllm-ascend's profile run (before the KV pool is sized) stays its own: our graphs are compiled against the
-        cache that run sizes, so they cannot be counted before it, and its drafter's forward stands in for ours.
-        Once ours is built, every dummy step (its ACL graph captures, data-parallel lockstep steps) is an inert
-        draft through our graphs instead: a capture of its drafter would record graphs no step replays."""
-        if not self.ascend_enabled or self._ascend is None:
-            return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
-        k = self._ascend.num_speculative_tokens
-        rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // (1 + k)), self._ascend.graph.max_size))
-        with torch.inference_mode(), self._warmup_context(self._ascend.graph.tokens_for(rows, 1 + k)):
-            self._ascend.dummy_run(rows)
-        self.ascend_stats.own_dummy_runs += 1
-        return None
 
     def _propose(self, *, target_token_ids: Any = None, target_positions: Any = None,
                  target_hidden_states: Any = None, next_token_ids: Any = None,

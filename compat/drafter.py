@@ -63,6 +63,7 @@ from .shims import (
     call_with_supported,
     detected_drift,
     discard_mask,
+    dp_coordinate,
     host_seq_lens_upper_bound,
     installed_vllm_version,
     moe_forward_context,
@@ -92,11 +93,14 @@ class DrafterStats:
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
-    own_dummy_runs: int = 0  # vllm-ascend's dummy steps (its graph captures) run as inert drafts through our graphs
+    own_dummy_runs: int = 0  # the runner's dummy steps (captures, idle data-parallel steps) run as inert drafts here
     graph_failures: int = 0  # compiled bucket graphs that raised; each of those steps reran eagerly
     graph_failure_policy: str = ""  # "eager" (rerun and count) or "raise"
     graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs
     rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_syncs: int = 0  # data-parallel all-reduces of the ranks' token counts (vLLM's drafter's, one per pass)
     warmup_seconds: float = 0.0
     graphs_loaded: int = 0  # draft graphs loaded whole from our compile cache at warm-up (CPU), without tracing
     graphs_saved: int = 0  # ... and compiled, then saved there
@@ -132,7 +136,8 @@ class StatsFile:
     MIN_INTERVAL_S = 5.0
 
     def __init__(self, stats_dir: str, stats: DrafterStats) -> None:
-        self.path = Path(stats_dir) / f"drafter-rank{stats.rank}.json"
+        dp = f"dp{stats.dp_rank}-" if stats.dp_size > 1 else ""
+        self.path = Path(stats_dir) / f"drafter-{dp}rank{stats.rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.stats = stats
         self._last = 0.0
@@ -176,6 +181,10 @@ class AscendSpecMtpMixin:
         self._ascend_prev_host_ptr = None
         self._ascend_stats_file: StatsFile | None = None
         self._ascend_tp = 1
+        parallel = vllm_config.parallel_config
+        self.ascend_stats.dp_rank, self.ascend_stats.dp_size = parallel.data_parallel_rank, parallel.data_parallel_size
+        #: under data parallel, during one draft: every rank's token count per forward pass (``_dp_sync``)
+        self._dp_counts: dict[int, torch.Tensor] | None = None
         if self.ascend_enabled:
             raise_if_missing(self._probe_api(), "drafter interface")
         LIVE.append(weakref.ref(self))
@@ -200,6 +209,7 @@ class AscendSpecMtpMixin:
         # Our draft chain on the MTP layer vLLM just loaded (and the target's embedding and lm_head it
         # shares): no checkpoint file is read, no weight is copied, weight-holding layers run vLLM's forward.
         cfg = config_from_vllm(self.vllm_config)
+        self._refuse_unpaired_dp(cfg.moe is not None)
         self.ascend_stats.quantization = self.vllm_config.model_config.quantization or ""
         moe_context = self._moe_context() if cfg.moe is not None else None
         self._ascend_model = mtp_model_on_vllm(self.model, cfg, self._ascend_tp, self.device, moe_context,
@@ -311,6 +321,61 @@ class AscendSpecMtpMixin:
             for t in cache_tensors(cache):
                 torch._dynamo.mark_static_address(t)
 
+    def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """The runner's dummy steps: the profile run (before the KV pool is sized, so before ours is built) stays
+        vLLM's drafter's. Once ours is built every dummy step (graph captures, an idle data-parallel rank's
+        lockstep steps) is an inert draft through our graphs, with the same data-parallel all-reduces a real
+        draft makes: a capture of vLLM's drafter would record graphs no step replays."""
+        if not self.ascend_enabled or self._ascend is None:
+            return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
+        q = 1 + self._ascend.num_speculative_tokens
+        rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // q), self._ascend.graph.max_size))
+        with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(self._ascend.graph.tokens_for(rows, q)):
+            self._ascend.dummy_run(rows)
+        self.ascend_stats.own_dummy_runs += 1
+        return None
+
+    # -- data parallel ----------------------------------------------------------------------
+    def _refuse_unpaired_dp(self, moe: bool) -> None:
+        """Under data parallel a MoE layer's every call is a collective of all ranks: a rank handing one step to
+        vLLM's drafter (which interleaves its all-reduces with its MoE calls) while another drafts with ours would
+        pair different collectives. Probabilistic draft sampling hands steps over by batch, so it is refused."""
+        method = getattr(self.speculative_config, "draft_sample_method", "greedy")
+        dp = self.ascend_stats.dp_size
+        if moe and dp > 1 and method != "greedy":
+            raise CompatError(f"ascend_spec drafter: speculative_config.draft_sample_method={method!r} with a MoE "
+                              f"MTP layer and data_parallel_size={dp} would pair different collectives across "
+                              "ranks; allowed: draft_sample_method 'greedy', or ascend_spec.enabled: false")
+
+    @contextlib.contextmanager
+    def _dp_sync(self, batch: int, query: int) -> Any:
+        """Around one draft of ``batch`` requests × ``query`` tokens: the data-parallel all-reduces vLLM's drafter
+        makes (one for the first pass, one for steps 2..K), with the tokens each of our passes runs; the counts
+        are what the MoE's forward context reads. Nothing without data parallel."""
+        if self.ascend_stats.dp_size == 1:
+            yield
+            return
+        first, chained = self._ascend.forward_tokens(batch, query)
+        counts = {first: dp_coordinate(self.vllm_config, first)}
+        if self._ascend.num_speculative_tokens > 1:
+            counts[chained] = dp_coordinate(self.vllm_config, chained)
+        self.ascend_stats.dp_syncs += len(counts)
+        self._dp_counts = counts
+        try:
+            yield
+        finally:
+            self._dp_counts = None
+
+    def _dp_counts_for(self, num_tokens: int) -> torch.Tensor | None:
+        """Every rank's count for a MoE call of ``num_tokens`` inside a draft; None outside one (warm-up, which
+        every rank runs alike, lets vLLM's context coordinate each call)."""
+        if self._dp_counts is None:
+            return None
+        if num_tokens not in self._dp_counts:
+            raise CompatError(f"ascend_spec drafter: a MoE call of {num_tokens} tokens inside a draft whose "
+                              f"data-parallel passes run {sorted(self._dp_counts)} tokens")
+        return self._dp_counts[num_tokens]
+
     # -- bookkeeping -----------------------------------------------------------------------
     def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, requests: Any,
                                       gpu_input_batch: Any, discard_request_mask: Any = None,
@@ -365,7 +430,8 @@ class AscendSpecMtpMixin:
         if reason is None:
             reason = extra_reason
         if reason is None:
-            with self._draft_context(f, k):
+            width = max(f.max_query_len, 1 + k)
+            with self._dp_sync(f.num_reqs, width), self._draft_context(f, k):
                 out = self._propose_ascend(k, target_token_ids, target_positions, target_hidden_states,
                                            next_token_ids, token_indices_to_sample, f, decode)
         else:
@@ -387,7 +453,7 @@ class AscendSpecMtpMixin:
 
     def _moe_context(self) -> Any:
         """``context(num_tokens)`` around each call into vLLM's MoE (vllm-ascend: its own context)."""
-        return moe_forward_context(self.vllm_config)
+        return moe_forward_context(self.vllm_config, across_dp=self._dp_counts_for)
 
     def _draft_context(self, f: Any, k: int) -> Any:
         """Context our draft runs in (vllm-ascend: its forward context; vLLM: none needed)."""

