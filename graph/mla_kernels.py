@@ -85,9 +85,13 @@ def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: 
                scale: float) -> torch.Tensor:
     kv_c, kv_pe = cache
     table = inp.block_table.long()
-    ctx_c, ctx_pe = kv_c[table].flatten(1, 2), kv_pe[table].flatten(1, 2)  # [B, M*block, C], [B, M*block, R]
-    scores = torch.einsum("bqhc,bkc->bqhk", q_lat, ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe, ctx_pe)
-    scores = scores.float() * scale
+    # Scores, softmax and the weighted sum in float32, rounded once to the query's dtype: vLLM's CPU MLA kernels
+    # accumulate bf16 attention in fp32 too, and bf16 einsums would round every score, weight and partial sum.
+    ctx_c = kv_c[table].flatten(1, 2).float()  # [B, M*block, C]
+    ctx_pe = kv_pe[table].flatten(1, 2).float()  # [B, M*block, R]
+    scores = torch.einsum("bqhc,bkc->bqhk", q_lat.float(), ctx_c) + torch.einsum("bqhr,bkr->bqhk", q_pe.float(),
+                                                                                   ctx_pe)
+    scores = scores * scale
     key_pos = torch.arange(ctx_c.shape[1], device=q_lat.device)
     visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
         key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
@@ -98,7 +102,7 @@ def gather_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: 
     # switches to a chunked accumulator and guards on it), which would make the context length a graph key.
     e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     denom = torch.matmul(e, torch.ones(e.shape[-1], 1, dtype=e.dtype, device=e.device))
-    return torch.einsum("bqhk,bkc->bqhc", (e / denom).to(ctx_c.dtype), ctx_c)
+    return torch.einsum("bqhk,bkc->bqhc", e / denom, ctx_c).to(q_lat.dtype)
 
 
 def flex_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: PagedInputs,

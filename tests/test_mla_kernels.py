@@ -304,3 +304,19 @@ def test_npu_kernel_on_npu(seq_lens, q, block, width):
     live = _live(seq_lens)
     assert torch.isfinite(got.float()).all()
     torch.testing.assert_close(got[live].float(), ref[live], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seq_lens, q", CASES)
+def test_gather_in_bf16_rounds_once_as_vllms_cpu_kernels(seq_lens, q):
+    """bf16 inputs: scores, softmax and the weighted sum accumulate in fp32 and the output is rounded once, as
+    vLLM's CPU MLA kernels do (its decode kernel and the prefill SDPA upcast): the error against an fp64 reference
+    on the same bf16 values is that one rounding's, not the several of bf16 products (about 5x as large)."""
+    q_lat, q_pe, (kv_c, kv_pe), inp = _batch(seq_lens, q, width=20)
+    bf = [t.bfloat16() for t in (q_lat, q_pe, kv_c, kv_pe)]
+    got = gather_mla(bf[0], bf[1], (bf[2], bf[3]), inp, 0.1)
+    assert got.dtype == torch.bfloat16
+    ref = gather_mla(*(t.double() for t in bf[:2]), tuple(t.double() for t in bf[2:]), inp, 0.1)
+    live = _live(seq_lens)
+    err = (got.double() - ref)[live].abs().max().item()
+    rounding = (ref.bfloat16().double() - ref)[live].abs().max().item()
+    assert err <= 1.5 * rounding, f"bf16 attention error {err:.2e} against one rounding's {rounding:.2e}"
