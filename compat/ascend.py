@@ -14,6 +14,7 @@ switch on it is refused with one error.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -28,7 +29,7 @@ from . import ascend_hook
 from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .manifest import covers
 from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
-from .shims import Missing, call_with_supported, moe_forward_context, raise_if_missing
+from .shims import CompatError, Missing, call_with_supported, moe_forward_context, raise_if_missing
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
 
@@ -241,6 +242,23 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
         extra = () if block_size is None else (block_size,)
         super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
 
+    def _refuse_unpaired_dp(self, moe: bool) -> None:
+        dp = self.ascend_stats.dp_size
+        if moe and dp > 1:
+            raise CompatError(f"ascend_spec drafter on vllm-ascend: a MoE MTP layer with data_parallel_size={dp} is "
+                              "not supported: vllm-ascend pads every rank's draft to the largest token count across "
+                              "ranks, and our graphs run each rank's own bucket; use data_parallel_size=1 or "
+                              "additional_config ascend_spec.enabled: false")
+
+    @contextlib.contextmanager
+    def _dp_sync(self, batch: int, query: int) -> Any:
+        """vllm-ascend's drafter syncs once per draft and once per dummy run, through its runner (one all-reduce of
+        the ranks' counts, none where its rule skips it): ours makes that one call, with our first pass's tokens."""
+        if self.ascend_stats.dp_size > 1:
+            sync_draft_across_dp(self.runner, self._ascend.forward_tokens(batch, query)[0])
+            self.ascend_stats.dp_syncs += 1
+        yield
+
     def _propose(self, *, target_token_ids: Any = None, target_positions: Any = None,
                  target_hidden_states: Any = None, next_token_ids: Any = None,
                  token_indices_to_sample: Any = None, common_attn_metadata: Any = None,
@@ -298,6 +316,13 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
 def build_ascend_adapter_class(base: type) -> type:
     """Subclass vllm-ascend's ``AscendEagleProposer`` (``base``) into the adapter the NPU runner drives."""
     return build_adapter_class(base, AscendSpecNpuMixin, "AscendSpecNpuMtpProposer")
+
+
+@covers("ascend_dp_sync")
+def sync_draft_across_dp(npu_runner: Any, num_tokens: int) -> None:
+    """The data-parallel sync vllm-ascend's drafter makes per draft (manifest item
+    ``NPUModelRunner._sync_metadata_across_dp`` of the Ascend manifest)."""
+    npu_runner._sync_metadata_across_dp(num_tokens, is_draft_model=True)
 
 
 @covers("ascend_forward_context_params")

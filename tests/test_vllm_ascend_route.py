@@ -278,6 +278,9 @@ class RecordingDraft:
     def dummy_run(self, num_reqs: int) -> None:
         self.inputs.append(("dummy_run", num_reqs))
 
+    def forward_tokens(self, batch: int, query: int) -> tuple[int, int]:
+        return self.graph.tokens_for(batch, query), batch
+
 
 def attn_metadata(qsl: list[int], seq_lens: list[int], k: int, block_table: torch.Tensor):
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -493,6 +496,32 @@ def test_dummy_runs_are_vllm_ascends_until_ours_is_built(release):
     d.dummy_run(9)  # positional, no request count: rows from tokens / (1 + K), at most the largest bucket
     assert base.CALLS == [] and ours.inputs == [("dummy_run", 4), ("dummy_run", 3)]
     assert d.ascend_stats.own_dummy_runs == 2
+
+
+def test_under_data_parallel_each_draft_and_dummy_run_syncs_once_as_vllm_ascends(release):
+    """vllm-ascend's drafter calls its runner's ``_sync_metadata_across_dp(n, is_draft_model=True)`` once per
+    ``_propose`` and once per ``dummy_run``: ours does too (with its first pass's tokens), so a busy rank's drafts
+    and an idle rank's dummy steps stay paired; without data parallel it never calls it."""
+    (sync,) = [f for f in runner_class(release).body if getattr(f, "name", "") == "_sync_metadata_across_dp"]
+    assert [a.arg for a in sync.args.args[1:3]] == ["num_tokens", "is_draft_model"]  # the release's signature
+    for dp in (1, 2):
+        d = built_adapter()
+        d.ascend_stats.dp_size = dp
+        calls = []
+        d.runner = types.SimpleNamespace(
+            _sync_metadata_across_dp=lambda n, is_draft_model=False: calls.append((n, is_draft_model)))
+        d._propose(**recorded_inputs([0, 3, 6], [13, 23], [1, 5]))
+        d.dummy_run(num_tokens=12, with_prefill=False, num_reqs=4, is_profile=False)
+        assert calls == ([] if dp == 1 else [(2 * 8, True), (4 * 8, True)]), calls  # rows x width of each pass
+        assert d.ascend_stats.dp_syncs == len(calls)
+
+
+def test_a_moe_mtp_layer_under_data_parallel_is_refused_on_vllm_ascend(release):
+    d = built_adapter()
+    d.ascend_stats.dp_size = 2
+    with pytest.raises(ascend.CompatError, match="MoE MTP layer with data_parallel_size=2 is not supported"):
+        d._refuse_unpaired_dp(moe=True)
+    d._refuse_unpaired_dp(moe=False)
 
 
 class Request:

@@ -2,9 +2,10 @@
 
 The files ``compat/ascend.py`` relies on are large (the NPU model runner is ~250 kB); the tests keep, per release,
 only what the adapter's checks read: the factory and ``AscendEagleProposer`` verbatim, the base proposer's and the
-forward context's signatures (bodies dropped), the runner's methods that touch ``self.drafter`` verbatim, the V2
-speculator's signature and the platform's class attributes. Module-level imports are kept so that names resolve as
-in the release. ``tools/vendor_vllm_ascend.py`` writes them into ``tests/data/vllm_ascend/<tag>/``.
+forward context's signatures (bodies dropped), the runner's methods that touch ``self.drafter`` (and the DP sync
+the drafter calls) verbatim, the V2 speculator's signature and the platform's class attributes. Module-level
+imports are kept so that names resolve as in the release. ``tools/vendor_vllm_ascend.py`` writes them into
+``tests/data/vllm_ascend/<tag>/``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ RUNNER_CLASS = "NPUModelRunner"
 #: runner methods kept verbatim: those touching the drafter or calling its factory (V1), the speculator (V2)
 RUNNER_KEEP = {"vllm_ascend/worker/model_runner_v1.py": ("self.drafter", "get_spec_decode_method"),
                "vllm_ascend/worker/v2/model_runner.py": ("init_speculator",)}
+#: runner methods kept verbatim by name: the data-parallel sync the drafter calls (V1)
+RUNNER_NAMES = {"vllm_ascend/worker/model_runner_v1.py": ("_sync_metadata_across_dp",)}
 
 
 def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.stmt:
@@ -62,7 +65,7 @@ def excerpt(path: str, source: str) -> str | None:
                 body.append(st)
         elif how == "runner" and isinstance(st, ast.ClassDef) and st.name == RUNNER_CLASS:
             st.body = [f for f in st.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and any(k in ast.unparse(f) for k in RUNNER_KEEP[path])]
+                       and (f.name in RUNNER_NAMES.get(path, ()) or any(k in ast.unparse(f) for k in RUNNER_KEEP[path]))]
             body.append(st)
         elif how == "class-attrs" and isinstance(st, ast.ClassDef):
             st.body = [f for f in st.body if isinstance(f, (ast.Assign, ast.AnnAssign))] or [ast.Pass()]

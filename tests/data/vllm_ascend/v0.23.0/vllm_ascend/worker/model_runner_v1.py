@@ -114,6 +114,28 @@ class NPUModelRunner(GPUModelRunner):
     def _get_drafter(self):
         return get_spec_decode_method(self.speculative_config.method, self.vllm_config, self.device, self)
 
+    def _sync_metadata_across_dp(self, num_tokens: int, is_draft_model: bool=False, cudagraph_mode: CUDAGraphMode=CUDAGraphMode.NONE, allow_dp_padding: bool=False) -> tuple[int, torch.Tensor | None, CUDAGraphMode]:
+        if self.dp_size == 1:
+            return (num_tokens, None, cudagraph_mode)
+        if should_skip_allreduce_across_dp_group(self.vllm_config, is_draft_model):
+            num_tokens_after_padding = torch.tensor([num_tokens] * self.dp_size, device='cpu', dtype=torch.int32)
+            return (num_tokens, num_tokens_after_padding, cudagraph_mode)
+        device_str, group = ('npu', get_dp_group().device_group) if self.ascend_config.dp_allreduce_on_npu else ('cpu', get_dp_group().cpu_group)
+        packed_tensor = torch.zeros(2, self.dp_size, device=device_str, dtype=torch.int32)
+        packed_tensor[0][self.dp_rank] = num_tokens
+        packed_tensor[1][self.dp_rank] = cudagraph_mode.value
+        dist.all_reduce(packed_tensor, group=group)
+        if device_str == 'npu':
+            packed_tensor = packed_tensor.cpu()
+        num_tokens_across_dp = packed_tensor[0, :]
+        max_tokens_across_dp = int(num_tokens_across_dp.max().item())
+        synced_cudagraph_mode = CUDAGraphMode(_post_process_cudagraph_mode(packed_tensor))
+        if allow_dp_padding or is_draft_model:
+            num_tokens_after_padding = torch.tensor([max_tokens_across_dp] * self.dp_size, device='cpu', dtype=torch.int32)
+        else:
+            num_tokens_after_padding = num_tokens_across_dp.cpu()
+        return (max_tokens_across_dp, num_tokens_after_padding, synced_cudagraph_mode)
+
     def propose_draft_token_ids(self, valid_sampled_token_ids: torch.Tensor | list[list[int]], sampling_metadata: SamplingMetadata, scheduler_output: 'SchedulerOutput', spec_decode_metadata: SpecDecodeMetadata, spec_decode_common_attn_metadata: AscendCommonAttentionMetadata, positions: torch.Tensor, num_scheduled_tokens: int, hidden_states: torch.Tensor, aux_hidden_states: torch.Tensor=None, sample_hidden_states: torch.Tensor=None, target_model_batch_desc: BatchDescriptor=None) -> list[list[int]] | None:
         if not self.drafter:
             draft_token_ids = None
