@@ -44,7 +44,7 @@ def runs(trained_dir, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("block_size, k", CASES)
 def test_ours_drafts_on_amx_mla_like_vllm(runs, block_size, k):
     """At each block size (the draft chain's slots in blocks of the cache vLLM bound): ours drafts on vLLM's packed
-    weights, accepts at least 0.9x what vLLM's drafter accepts, gives its tokens on >= 80% of prompts, and no-spec's
+    weights, accepts at least 0.95x what vLLM's drafter accepts, gives its tokens on >= 80% of prompts, and no-spec's
     up to bf16 ties."""
     none, theirs, ours = ok(runs, "none"), ok(runs, f"vllm_bs{block_size}_k{k}"), ok(runs, f"ours_bs{block_size}_k{k}")
     (stats,) = ours["drafter"]
@@ -55,7 +55,7 @@ def test_ours_drafts_on_amx_mla_like_vllm(runs, block_size, k):
     per_pos = {n: r["metrics"]["spec_decode_num_accepted_tokens_per_pos"] for n, r in (("ours", ours),
                                                                                        ("vllm", theirs))}
     print(f"AMX_MLA block {block_size}, K={k}: accepted draft tokens {accepted}, per position {per_pos}")
-    assert accepted["vllm"] > 0 and accepted["ours"] >= 0.9 * accepted["vllm"], accepted
+    assert accepted["vllm"] > 0 and accepted["ours"] >= 0.95 * accepted["vllm"], accepted
     same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
     assert same >= 0.8 * len(theirs["tokens"]), f"same tokens as vLLM's drafter on {same}/{len(theirs['tokens'])}"
     assert_same_or_tie(none, ours["tokens"], f"ours K={k} block {block_size} vs vLLM no-spec (AMX_MLA, bf16)",
