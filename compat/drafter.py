@@ -70,6 +70,7 @@ from .shims import (
     probe_proposer_api,
     probe_runner,
     raise_if_missing,
+    refuse_cpu_dp_moe,
 )
 
 # Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
@@ -210,6 +211,8 @@ class AscendSpecMtpMixin:
         # shares): no checkpoint file is read, no weight is copied, weight-holding layers run vLLM's forward.
         cfg = config_from_vllm(self.vllm_config)
         self._refuse_unpaired_dp(cfg.moe is not None)
+        if cfg.moe is not None and self.device.type == "cpu":
+            refuse_cpu_dp_moe(self.vllm_config)
         self.ascend_stats.quantization = self.vllm_config.model_config.quantization or ""
         moe_context = self._moe_context() if cfg.moe is not None else None
         self._ascend_model = mtp_model_on_vllm(self.model, cfg, self._ascend_tp, self.device, moe_context,

@@ -280,3 +280,17 @@ def test_absorbed_mla_matrices_are_views_or_one_error_naming_the_backend():
     w_uk, w_uv = attn.absorbed
     assert w_uk.data_ptr() == mla.W_UK_T.data_ptr() and w_uv.data_ptr() == mla.W_UV.data_ptr()
     assert w_uv.shape == (h, v, c) and attn.uk_proj is None and attn.uv_proj is None
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_moe_model_under_data_parallel_on_vllm_cpu_is_one_error_at_start(monkeypatch):
+    """vLLM-cpu's communicator inherits all_gatherv unimplemented (the MoE's DP dispatch needs it): ours stops at
+    start naming data_parallel_size; without DP, or once the communicator implements it, nothing is raised."""
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    dp = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
+    shims.refuse_cpu_dp_moe(types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1)))
+    with pytest.raises(shims.CompatError, match=r"data_parallel_size=2 with a MoE model .* all_gatherv"):
+        shims.refuse_cpu_dp_moe(dp)
+    monkeypatch.setattr(CpuCommunicator, "all_gatherv", lambda self, x, dim=0, sizes=None: x, raising=False)
+    shims.refuse_cpu_dp_moe(dp)
