@@ -226,8 +226,8 @@ def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: 
 
 class AscendSpecNpuMixin(AscendSpecMtpMixin):
     """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
-    block_size)``, ``dummy_run`` (its keywords; the base class's inert draft once ours is built); the 4-tuple ``prepare_inputs_padded`` stays vllm-ascend's (it prepares the
-    metadata fallbacks use)."""
+    block_size)``, ``dummy_run`` (its keywords; the base class's inert draft once ours is built), its data-parallel
+    sync; the 4-tuple ``prepare_inputs_padded`` stays vllm-ascend's (it prepares the metadata fallbacks use)."""
 
     #: vllm-ascend's MLA keeps the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` apart
     _ascend_kv_layout = "pair"

@@ -333,7 +333,8 @@ class AscendSpecMtpMixin:
             return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
         q = 1 + self._ascend.num_speculative_tokens
         rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // q), self._ascend.graph.max_size))
-        with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(self._ascend.graph.tokens_for(rows, q)):
+        tokens = self._ascend.graph.tokens_for(rows, q)
+        with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(tokens):
             self._ascend.dummy_run(rows)
         self.ascend_stats.own_dummy_runs += 1
         return None

@@ -64,8 +64,9 @@ def excerpt(path: str, source: str) -> str | None:
                                                               ast.AnnAssign))] or [ast.Pass()]
                 body.append(st)
         elif how == "runner" and isinstance(st, ast.ClassDef) and st.name == RUNNER_CLASS:
+            keep = RUNNER_NAMES.get(path, ())
             st.body = [f for f in st.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and (f.name in RUNNER_NAMES.get(path, ()) or any(k in ast.unparse(f) for k in RUNNER_KEEP[path]))]
+                       and (f.name in keep or any(k in ast.unparse(f) for k in RUNNER_KEEP[path]))]
             body.append(st)
         elif how == "class-attrs" and isinstance(st, ast.ClassDef):
             st.body = [f for f in st.body if isinstance(f, (ast.Assign, ast.AnnAssign))] or [ast.Pass()]
