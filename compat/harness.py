@@ -26,6 +26,7 @@ Data parallel (``--dp-size N --dp-rank R --dp-port P --dp-barrier DIR``): one pr
 offline DP, each with the engine core in a process of its own (an idle rank's core runs the lockstep dummy
 steps); the run's ``rank_prompts`` lists, per rank, the indices into ``prompts`` that rank generates. Each rank
 waits at a file barrier in DIR before tearing its engine down, so that no rank leaves a collective unpaired.
+:func:`run_dp` launches the ranks of one run (the tests and ``tools/bench_vllm.py --dp 2`` call it).
 
 Async scheduling on CPU: vLLM's ``CpuPlatform.check_and_update_config`` sets
 ``scheduler_config.async_scheduling = False`` unconditionally ("not required on CPU"). For ``async: true``
@@ -343,6 +344,62 @@ def run_dp_rank(cfg: dict[str, Any], checkpoint: str, rank: int, size: int, port
     result = run_one(share, checkpoint, wait_for_every_rank)
     result.update(dp_rank=rank, prompt_indices=mine)
     return result
+
+
+def run_dp(cfg: dict[str, Any], checkpoint: str, out_dir: Path, size: int = 2, timeout: float = 300.0
+           ) -> list[dict[str, Any]]:
+    """One data-parallel engine run: ``size`` rank processes of this harness (one core each), started together
+    and bounded by ``timeout`` so that a hang fails fast (every process of the run is killed: its engine cores and
+    workers too). Per rank, the result of :func:`run_dp_rank`, with ``drafter`` the rank's stats file where ``cfg``
+    names a ``stats_dir``. Raises ``RuntimeError`` with the ranks' log tails when a rank hangs or fails."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    (out_dir / "configs.json").write_text(json.dumps([cfg]))
+    shutil.rmtree(out_dir / "barrier", ignore_errors=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(size)))}
+    env.pop("VLLM_PLUGINS", None)
+    procs, logs = [], []
+    for rank in range(size):
+        logs.append(open(out_dir / f"rank{rank}.log", "w"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ascend_spec.compat.harness", str(out_dir / "configs.json"), "--out",
+             str(out_dir / f"rank{rank}.json"), "--checkpoint", str(checkpoint), "--dp-size", str(size),
+             "--dp-rank", str(rank), "--dp-port", str(port), "--dp-barrier", str(out_dir / "barrier")],
+            env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    for f in logs:
+        f.close()
+    tails = "\n".join(f"--- rank {r} ---\n{(out_dir / f'rank{r}.log').read_text()[-2500:]}" for r in range(size))
+    if hung:
+        raise RuntimeError(f"data-parallel run {cfg.get('name')}: ranks {hung} still running after {timeout:.0f} s"
+                           f"\n{tails}")
+    results = []
+    for rank, p in enumerate(procs):
+        out = out_dir / f"rank{rank}.json"
+        if p.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"data-parallel run {cfg.get('name')}: rank {rank} failed (rc {p.returncode})\n{tails}")
+        (result,) = json.loads(out.read_text())
+        stats_dir = cfg.get("ascend", {}).get("stats_dir")
+        if stats_dir:
+            result["drafter"] = json.loads((Path(stats_dir) / f"drafter-dp{rank}-rank0.json").read_text())
+        results.append(result)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,3 @@
-import contextlib
 import importlib
 import json
 import os
@@ -162,59 +161,6 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
     return {r["name"]: r for r in json.loads(out.read_text())}
-
-
-def run_dp_harness(cfg: dict, checkpoint: Path, tmp: Path, size: int = 2, timeout: int = 300) -> list[dict]:
-    """One data-parallel engine run of ``compat/harness.py``: ``size`` rank processes (one core each), started
-    together and bounded by ``timeout`` so that a hang fails fast (every process of the run is killed). Per rank:
-    the harness's result, with ``drafter`` the rank's stats file where ``cfg`` names a ``stats_dir``."""
-    import json
-    import os
-    import shutil
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    with socket.socket() as sock:  # a free port for the ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    (tmp / "configs.json").write_text(json.dumps([cfg]))
-    shutil.rmtree(tmp / "barrier", ignore_errors=True)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    env.pop("VLLM_PLUGINS", None)
-    procs, logs = [], []
-    for rank in range(size):
-        logs.append(open(tmp / f"rank{rank}.log", "w"))
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "ascend_spec.compat.harness", str(tmp / "configs.json"), "--out",
-             str(tmp / f"rank{rank}.json"), "--checkpoint", str(checkpoint), "--dp-size", str(size), "--dp-rank",
-             str(rank), "--dp-port", str(port), "--dp-barrier", str(tmp / "barrier")],
-            cwd=Path(__file__).resolve().parent.parent, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
-            start_new_session=True))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    for p in procs:  # the ranks' engine cores and workers too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-    for f in logs:
-        f.close()
-    tails = "\n".join(f"--- rank {r} ---\n{(tmp / f'rank{r}.log').read_text()[-2500:]}" for r in range(size))
-    assert not hung, f"data-parallel run {cfg.get('name')}: ranks {hung} still running after {timeout} s\n{tails}"
-    results = []
-    for rank, p in enumerate(procs):
-        out = tmp / f"rank{rank}.json"
-        assert p.returncode == 0 and out.is_file(), f"rank {rank} failed (rc {p.returncode}):\n{tails}"
-        (result,) = json.loads(out.read_text())
-        stats_dir = cfg.get("ascend", {}).get("stats_dir")
-        if stats_dir:
-            result["drafter"] = json.loads((Path(stats_dir) / f"drafter-dp{rank}-rank0.json").read_text())
-        results.append(result)
-    return results
 
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

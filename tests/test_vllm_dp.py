@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SPEC_COUNTERS, run_dp_harness
+from ascend_spec.compat.harness import run_dp
+
+from .conftest import SPEC_COUNTERS
 
 pytestmark = [
     pytest.mark.vllm,
@@ -47,7 +49,7 @@ def dp_runs(trained_dir, tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
     for k in LOADS:
         for who in ("vllm", "ours"):
             tmp = tmp_path_factory.mktemp(f"dp2_{who}_k{k}")
-            runs[who, k] = run_dp_harness(_config(who, k, tmp / "stats"), trained_dir, tmp, timeout=TIMEOUT)
+            runs[who, k] = run_dp(_config(who, k, tmp / "stats"), trained_dir, tmp, timeout=TIMEOUT)
     return runs
 
 
@@ -101,7 +103,7 @@ def test_dp2_moe_gives_vllms_drafter_tokens_where_vllm_runs_it(moe_ckpts, tmp_pa
     if NO_DP_MOE:
         pytest.skip(f"{NO_DP_MOE[0]} (seen without expert parallel; {tag} takes the same dispatch)")
     tmp = tmp_path_factory.mktemp(f"dp2_moe_{tag}_vllm")
-    theirs = run_dp_harness(_config("vllm", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp, timeout=TIMEOUT)
+    theirs = run_dp(_config("vllm", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp, timeout=TIMEOUT)
     errors = [r["error"] for r in theirs if "error" in r]
     log = "".join((tmp / f"rank{r}.log").read_text() for r in range(2))
     if errors and CPU_DP_MOE_ERROR in log and "all_gatherv" in log:
@@ -111,7 +113,7 @@ def test_dp2_moe_gives_vllms_drafter_tokens_where_vllm_runs_it(moe_ckpts, tmp_pa
         pytest.skip(f"{NO_DP_MOE[0]} ({tag})")
     assert not errors, errors
     tmp = tmp_path_factory.mktemp(f"dp2_moe_{tag}_ours")
-    ours = _ok(run_dp_harness(_config("ours", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp,
+    ours = _ok(run_dp(_config("ours", 2, tmp / "stats", llm), moe_ckpts["bundled-moe"], tmp,
                               timeout=TIMEOUT), f"ours MoE {tag}")
     for mine, ref in zip(ours, theirs):
         assert mine["tokens"] == ref["tokens"], f"MoE {tag} rank {mine['dp_rank']}"

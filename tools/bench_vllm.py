@@ -5,6 +5,7 @@
     python tools/bench_vllm.py --sync --k 1 --kv-blocks 256 --json out.json
     python tools/bench_vllm.py --checkpoint bundled-moe --tp 2 --sync   # MoE + YaRN, tensor parallel 2
     python tools/bench_vllm.py --checkpoint bundled-moe-w8a8 --sync     # the same, W8A8-int8 linears
+    python tools/bench_vllm.py --dp 2 --sync --rounds 3                 # data parallel 2, unequal loads
 
 Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
 sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
@@ -25,6 +26,11 @@ medians and ours ÷ vLLM's drafter of ``LLM(...)`` alone and of ``LLM(...)`` and
 draft timings come from each rank's stats file (``ascend_spec.stats_dir``, cumulative over every generate call,
 warm-up included) and live-tensor memory is reported at TP=1 only (``measure_memory``: the unique storage bytes
 of every tensor in the engine process, vLLM's drafter vs ours).
+
+``--dp 2``: data parallel 2 as vLLM runs it offline (one process per rank, one core each,
+``compat.harness.run_dp``), rank 0 given three quarters of the prompts and rank 1 the rest, so that rank 1 idles
+in lockstep dummy steps while rank 0 decodes. Per rank: tokens/s (median of the generate calls after the first)
+and the drafter's mean ``propose`` time per call (every call, warm-up generate included, from its stats file).
 """
 from __future__ import annotations
 
@@ -134,6 +140,41 @@ def startup(configs: dict[str, dict], checkpoint: str, rounds: int, warm_starts:
     return times
 
 
+def data_parallel(configs: list[dict], checkpoint: str, args: argparse.Namespace) -> int:
+    """``--dp``: each config as one data-parallel run; per rank, ours vs vLLM's drafter (medians over rounds)."""
+    from ascend_spec.compat.harness import run_dp
+
+    n = len(configs[0]["prompts"])
+    busy = max(1, (3 * n) // 4)
+    shares = [list(range(busy)), list(range(busy, n))]
+    if not shares[1]:
+        raise SystemExit(f"--dp {args.dp}: every rank needs a prompt; --num-prompts {n} leaves rank 1 none")
+    figures: dict[str, list[list[dict]]] = {"vllm": [], "ours": []}
+    tokens: dict[str, list] = {"vllm": [], "ours": []}
+    for cfg in configs:
+        ranks = run_dp({**cfg, "rank_prompts": shares, "measure_memory": False}, checkpoint,
+                       args.cache / "dp" / cfg["name"].replace("#", "_"), size=args.dp)
+        for r in ranks:
+            if "error" in r:
+                print(f"{cfg['name']} rank {r['dp_rank']}: {r['error']}", file=sys.stderr)
+                return 1
+        figures[cfg["drafter"]].append([{"tokens_per_s": statistics.median(r["tokens_per_s"][1:]),
+                                         "propose_ms": 1e3 * r["drafter"]["propose_seconds"]
+                                         / max(r["drafter"]["propose_calls"], 1)} for r in ranks])
+        tokens[cfg["drafter"]].append([r["tokens"] for r in ranks])
+    print(f"\nvLLM CPU engine, data parallel {args.dp}, checkpoint {args.checkpoint}, K={args.k}, prompts per rank "
+          f"{[len(x) for x in shares]} x {args.max_tokens} tokens, {args.rounds} round(s), medians")
+    for rank in range(args.dp):
+        v, o = ({k: statistics.median(run[rank][k] for run in figures[name])
+                 for k in ("tokens_per_s", "propose_ms")} for name in ("vllm", "ours"))
+        print(f"rank {rank}: tokens/s vLLM's drafter {v['tokens_per_s']:.1f}, ours {o['tokens_per_s']:.1f} "
+              f"(ours / vLLM's {o['tokens_per_s'] / v['tokens_per_s']:.2f}x); propose ms/call vLLM's "
+              f"{v['propose_ms']:.2f}, ours {o['propose_ms']:.2f} "
+              f"(ours / vLLM's {o['propose_ms'] / v['propose_ms']:.2f}x)")
+    print(f"token ids identical on every rank and round: {tokens['vllm'] == tokens['ours']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, default=2)
@@ -151,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                          "W8A8-int8) | a checkpoint folder")
     ap.add_argument("--cache", type=Path, default=Path(".cache/bench-checkpoints"))
     ap.add_argument("--tp", type=int, choices=[1, 2], default=1, help="tensor_parallel_size")
+    ap.add_argument("--dp", type=int, choices=[1, 2], default=1, help="data parallel size (one process per rank)")
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="the engine's max_model_len (default the harness's 512); above the checkpoint's "
                          "max_position_embeddings a copy allowing it is written to --cache")
@@ -199,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             configs.append({"name": f"{name}#{r}", "drafter": name, **common,
                             "ascend": {"stats_dir": str(stats_root / f"{name}{r}")},
                             **({"graph": graph} if name == "ours" else {})})
+    if args.dp > 1:
+        return data_parallel(configs, str(checkpoint), args)
     if args.startup:
         one = {name: {**cfg, "repeat": 1, "max_tokens": 8, "measure_memory": False}
                for cfg in configs[:2] for name in [cfg["drafter"]]}
