@@ -27,8 +27,9 @@ install-test: $(VENV)/.installed-test
 run: $(VENV)/.installed
 	$(PY) -m ascend_spec.cli generate
 
+# the 25 slowest tests are listed at the end (where the suite's time goes)
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 
 # 10,000 harness decode steps (random arrivals, compiled graphs); prints steps, blocks and RSS
 soak: $(VENV)/.installed-test
