@@ -325,11 +325,11 @@ class AscendSpecMtpMixin:
                 torch._dynamo.mark_static_address(t)
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        """The runner's dummy steps: the profile run (before the KV pool is sized, so before ours is built) stays
-        vLLM's drafter's. Once ours is built every dummy step (graph captures, an idle data-parallel rank's
-        lockstep steps) is an inert draft through our graphs, with the same data-parallel all-reduces a real
-        draft makes: a capture of vLLM's drafter would record graphs no step replays."""
-        if not self.ascend_enabled or self._ascend is None:
+        """The runner's dummy steps: the profile run (before the KV pool is sized, so before ours is built) and
+        vLLM's CUDA-graph captures of its drafter (every rank captures alike) stay vLLM's drafter's. Once ours is
+        built every other dummy step (an idle data-parallel rank's lockstep steps, vllm-ascend's captures) is an
+        inert draft through our graphs, with the same data-parallel all-reduces a real draft makes."""
+        if not self.ascend_enabled or self._ascend is None or kwargs.get("is_graph_capturing"):
             return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
         q = 1 + self._ascend.num_speculative_tokens
         rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // q), self._ascend.graph.max_size))

@@ -294,3 +294,41 @@ def test_a_moe_model_under_data_parallel_on_vllm_cpu_is_one_error_at_start(monke
         shims.refuse_cpu_dp_moe(dp)
     monkeypatch.setattr(CpuCommunicator, "all_gatherv", lambda self, x, dim=0, sizes=None: x, raising=False)
     shims.refuse_cpu_dp_moe(dp)
+
+
+class _DummyRunBase:
+    """vLLM's drafter as far as ``dummy_run`` goes: records its own dummy runs."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        self.vllm_config, self.speculative_config = vllm_config, vllm_config.speculative_config
+        self.num_speculative_tokens = 2
+        self.calls = []
+
+    def dummy_run(self, num_tokens, use_cudagraphs=True, is_graph_capturing=False, slot_mappings=None):
+        self.calls.append(("vllm", num_tokens, is_graph_capturing))
+
+
+def test_vllm_dummy_runs_become_inert_drafts_with_the_dp_syncs_of_a_draft(monkeypatch):
+    """Before ours is built, and in vLLM's CUDA-graph captures, the dummy run is vLLM's drafter's; otherwise an
+    inert draft through our graphs, which under data parallel makes the two all-reduces a K = 2 draft makes (first
+    pass, steps 2..K) with the tokens each pass runs, and without data parallel none."""
+    from ascend_spec.compat import drafter
+
+    syncs = []
+    monkeypatch.setattr(drafter, "dp_coordinate", lambda cfg, n: syncs.append(n) or torch.tensor([n, 9]))
+    cfg = types.SimpleNamespace(additional_config=None, speculative_config=types.SimpleNamespace(method="mtp"),
+                                parallel_config=types.SimpleNamespace(data_parallel_size=2, data_parallel_rank=0))
+    d = drafter.build_adapter_class(_DummyRunBase)(cfg, "cpu", None)
+    d.dummy_run(8)  # ours not built (the profile run)
+    drafts = []
+    d.ascend_enabled = True
+    d._ascend = types.SimpleNamespace(num_speculative_tokens=2, dummy_run=drafts.append,
+                                      graph=types.SimpleNamespace(max_size=4, tokens_for=lambda b, q: 4 * q),
+                                      forward_tokens=lambda b, q: (4 * q, 4))
+    d.dummy_run(8, is_graph_capturing=True)  # vLLM's capture of its drafter: every rank captures alike
+    d.dummy_run(8, use_cudagraphs=False)  # 8 tokens / (1 + K): two rows, in the bucket of four
+    assert d.calls == [("vllm", 8, False), ("vllm", 8, True)] and drafts == [2]
+    assert syncs == [12, 4] and d.ascend_stats.dp_syncs == 2 and d.ascend_stats.own_dummy_runs == 1
+    d.ascend_stats.dp_size = 1
+    d.dummy_run(1)
+    assert drafts == [2, 1] and syncs == [12, 4]
