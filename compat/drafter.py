@@ -95,6 +95,8 @@ class DrafterStats:
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
     own_dummy_runs: int = 0  # the runner's dummy steps (captures, idle data-parallel steps) run as inert drafts here
+    dummy_calls: int = 0  # the runner's dummy steps, whichever drafter ran them
+    dummy_seconds: float = 0.0
     graph_failures: int = 0  # compiled bucket graphs that raised; each of those steps reran eagerly
     graph_failure_policy: str = ""  # "eager" (rerun and count) or "raise"
     graph_host_ops: int = 0  # ops needing the host that the graph lint found in the compiled draft graphs
@@ -329,15 +331,20 @@ class AscendSpecMtpMixin:
         vLLM's CUDA-graph captures of its drafter (every rank captures alike) stay vLLM's drafter's. Once ours is
         built every other dummy step (an idle data-parallel rank's lockstep steps, vllm-ascend's captures) is an
         inert draft through our graphs, with the same data-parallel all-reduces a real draft makes."""
-        if not self.ascend_enabled or self._ascend is None or kwargs.get("is_graph_capturing"):
-            return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
-        q = 1 + self._ascend.num_speculative_tokens
-        rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // q), self._ascend.graph.max_size))
-        tokens = self._ascend.graph.tokens_for(rows, q)
-        with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(tokens):
-            self._ascend.dummy_run(rows)
-        self.ascend_stats.own_dummy_runs += 1
-        return None
+        t0 = time.perf_counter()
+        try:
+            if not self.ascend_enabled or self._ascend is None or kwargs.get("is_graph_capturing"):
+                return call_with_supported(super().dummy_run, num_tokens, *args, **kwargs)
+            q = 1 + self._ascend.num_speculative_tokens
+            rows = max(1, min(int(kwargs.get("num_reqs") or num_tokens // q), self._ascend.graph.max_size))
+            tokens = self._ascend.graph.tokens_for(rows, q)
+            with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(tokens):
+                self._ascend.dummy_run(rows)
+            self.ascend_stats.own_dummy_runs += 1
+            return None
+        finally:
+            self.ascend_stats.dummy_calls += 1
+            self.ascend_stats.dummy_seconds += time.perf_counter() - t0
 
     # -- data parallel ----------------------------------------------------------------------
     def _refuse_unpaired_dp(self, moe: bool) -> None:
