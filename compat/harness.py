@@ -243,7 +243,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
 
     name = cfg.get("name", "run")
     kind = cfg.get("drafter", "none")
-    prompts = cfg["prompts"] if cfg.get("prompts") is not None else PROMPTS  # [] for an idle DP rank
+    prompts = cfg.get("prompts") or PROMPTS
     kw: dict[str, Any] = {**ENGINE, **cfg.get("llm", {}), "model": checkpoint}
     if kind != "none":
         kw["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": int(cfg.get("k", 2)),
@@ -330,6 +330,8 @@ def run_dp_rank(cfg: dict[str, Any], checkpoint: str, rank: int, size: int, port
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     prompts = cfg.get("prompts") or PROMPTS
     mine = cfg["rank_prompts"][rank]
+    if not mine:  # vLLM's offline DP hangs a rank given no request, whichever drafter
+        raise ValueError(f"rank_prompts[{rank}] is empty; every data-parallel rank needs at least one prompt")
     per_prompt = cfg.get("max_tokens", 48)
     share = {**cfg, "prompts": [prompts[i] for i in mine],
              "max_tokens": [per_prompt[i] for i in mine] if isinstance(per_prompt, list) else per_prompt}
