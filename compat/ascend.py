@@ -294,10 +294,9 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
             return "context_parallel"  # pcp/dcp split the tokens across ranks: vllm-ascend's path
         return None
 
-    def _draft_context(self, f: Any, k: int) -> Any:
+    def _draft_context(self, rows: int, width: int) -> Any:
         # sized as the draft runs: graph rows × query width (at least 1 + K, a prefill chunk padded to a graph's width)
-        return forward_context(self._ascend_context_fn(), self.vllm_config,
-                               self._ascend.graph.tokens_for(f.num_reqs, max(f.max_query_len, 1 + k)))
+        return forward_context(self._ascend_context_fn(), self.vllm_config, self._ascend.graph.tokens_for(rows, width))
 
     def _warmup_context(self, num_tokens: int) -> Any:
         return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens)

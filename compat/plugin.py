@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 
-from . import ascend
+from . import ascend, ascend_hook
 from .drafter import build_adapter_class
+from .runner_reach import WORKER_MODULE, patch_v2_runner, patch_worker
+from .shims_v2 import V2_RUNNER_MODULE
 from .shims import Missing, raise_if_missing
 
 logger = logging.getLogger(__name__)
@@ -29,11 +31,17 @@ SEAM = "EagleProposer"
 
 
 def register() -> None:
-    """Rebind ``vllm.v1.worker.gpu_model_runner.EagleProposer`` to the adapter (idempotent); on Ascend, patch
-    vllm-ascend's drafter factory instead."""
+    """Rebind ``vllm.v1.worker.gpu_model_runner.EagleProposer`` (V1) and ``vllm.v1.worker.gpu.model_runner.
+    init_speculator`` (V2) to build the adapter, and check at engine start that the runner built ours (idempotent);
+    on Ascend, patch vllm-ascend's drafter factory instead."""
     if ascend.on_ascend():
         ascend.install()
         return
+    # V2's runner and the worker import later (and V2's only where Triton runs): patch them when they do.
+    hook = ascend_hook.hook()
+    if V2_RUNNER_MODULE not in hook.patches:
+        hook.watch(V2_RUNNER_MODULE, patch_v2_runner)
+        hook.watch(WORKER_MODULE, patch_worker)
     try:
         import vllm.v1.worker.gpu_model_runner as gmr
     except ImportError as e:

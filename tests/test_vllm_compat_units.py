@@ -312,10 +312,10 @@ def test_vllm_dummy_runs_become_inert_drafts_with_the_dp_syncs_of_a_draft(monkey
     """Before ours is built, and in vLLM's CUDA-graph captures, the dummy run is vLLM's drafter's; otherwise an
     inert draft through our graphs, which under data parallel makes the two all-reduces a K = 2 draft makes (first
     pass, steps 2..K) with the tokens each pass runs, and without data parallel none."""
-    from ascend_spec.compat import drafter
+    from ascend_spec.compat import draft_core, drafter
 
     syncs = []
-    monkeypatch.setattr(drafter, "dp_coordinate", lambda cfg, n: syncs.append(n) or torch.tensor([n, 9]))
+    monkeypatch.setattr(draft_core, "dp_coordinate", lambda cfg, n: syncs.append(n) or torch.tensor([n, 9]))
     cfg = types.SimpleNamespace(additional_config=None, speculative_config=types.SimpleNamespace(method="mtp"),
                                 parallel_config=types.SimpleNamespace(data_parallel_size=2, data_parallel_rank=0))
     d = drafter.build_adapter_class(_DummyRunBase)(cfg, "cpu", None)

@@ -1,0 +1,105 @@
+"""Our drafter into vLLM's V2 runner, and the check that every runner vLLM builds drafts with ours when asked.
+
+V2's runner builds its speculator by the module-global name ``init_speculator``; :func:`patched_init_speculator`
+returns our :mod:`speculator_v2` adapter where it would return ``MTPSpeculator``. After the worker loaded the model,
+:func:`check_reached` fails the engine start when ours is enabled and the runner's drafter is not ours (a runner we
+do not reach, or a seam that moved): vLLM's drafter never drafts in our name.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+from typing import Any, Callable
+
+from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
+from .shims import CompatError
+from .shims_v2 import V2_MTP_CLASS, V2_RUNNER_MODULE, V2_SEAM, mtp_speculator_class, runner_drafter
+from .speculator_v2 import build_speculator_class
+
+logger = logging.getLogger(__name__)
+
+#: the worker class whose ``load_model`` every vLLM GPU/CPU worker runs (CPUWorker inherits it)
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+WORKER = "Worker"
+#: the attribute our wrappers keep the wrapped function under (idempotent patching)
+PATCHED = "__ascend_spec_wraps__"
+REACHED = ("V1 (VLLM_USE_V2_MODEL_RUNNER=0: gpu_model_runner.EagleProposer) and V2 "
+           f"(VLLM_USE_V2_MODEL_RUNNER=1: gpu.model_runner.{V2_SEAM} -> {V2_MTP_CLASS})")
+
+
+def enabled_for(vllm_config: Any) -> bool:
+    """Whether this engine asked for our drafter (the switch, and an MTP method). Bad settings raise here."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return False
+    return PluginSettings.from_additional_config(vllm_config.additional_config).enabled and spec.method in METHODS
+
+
+@functools.lru_cache(maxsize=None)
+def _speculator_class(base: type) -> type:
+    return build_speculator_class(base)
+
+
+def patched_init_speculator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``init_speculator`` that builds our adapter where V2 builds ``MTPSpeculator`` for an enabled engine."""
+
+    @functools.wraps(original)
+    def init_speculator(vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        speculator = original(vllm_config, device, *args, **kwargs)
+        if not enabled_for(vllm_config):
+            return speculator
+        base = mtp_speculator_class()
+        if base is None or type(speculator) is not base:
+            raise CompatError(
+                f"additional_config.{ADDITIONAL_CONFIG_KEY}.enabled=true, but vLLM's V2 model runner built "
+                f"{type(speculator).__name__} for speculative_config.method="
+                f"{vllm_config.speculative_config.method!r}; ours replaces {V2_MTP_CLASS} (one DeepSeek MTP "
+                f"layer) only. Allowed: a model with one MTP layer, or {ADDITIONAL_CONFIG_KEY}.enabled: false")
+        del speculator  # vLLM's, built only to learn which class this release picks
+        return _speculator_class(base)(vllm_config, device)
+
+    setattr(init_speculator, PATCHED, original)
+    return init_speculator
+
+
+def check_reached(vllm_config: Any, model_runner: Any) -> None:
+    """One error at engine start when ours is enabled and the runner's drafter is not ours."""
+    if not enabled_for(vllm_config):
+        return
+    kind, drafter = runner_drafter(model_runner)
+    if drafter is None and vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return  # only the last pipeline stage drafts
+    if getattr(drafter, "__ascend_spec_adapter__", False):
+        return
+    runner = f"{type(model_runner).__module__}.{type(model_runner).__name__}"
+    raise CompatError(
+        f"additional_config.{ADDITIONAL_CONFIG_KEY}.enabled=true, but the model runner {runner} "
+        f"({kind or 'unknown'} runner) built {type(drafter).__name__} as its drafter: ours is not reached, and "
+        f"vLLM's would draft in its place. Runners ascend_spec reaches: {REACHED}; or set "
+        f"{ADDITIONAL_CONFIG_KEY}.enabled: false")
+
+
+def patch_v2_runner(module: ModuleType) -> None:
+    """Rebind V2's ``init_speculator`` global (once)."""
+    fn = getattr(module, V2_SEAM, None)
+    if fn is not None and getattr(fn, PATCHED, None) is None:
+        setattr(module, V2_SEAM, patched_init_speculator(fn))
+        logger.debug("ascend_spec: %s.%s -> adapter", V2_RUNNER_MODULE, V2_SEAM)
+
+
+def patch_worker(module: ModuleType) -> None:
+    """``Worker.load_model`` followed by :func:`check_reached` (once)."""
+    cls = getattr(module, WORKER, None)
+    load = getattr(cls, "load_model", None)
+    if load is None or getattr(load, PATCHED, None) is not None:
+        return
+
+    @functools.wraps(load)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = load(self, *args, **kwargs)
+        check_reached(self.vllm_config, self.model_runner)
+        return out
+
+    setattr(load_model, PATCHED, load)
+    cls.load_model = load_model
