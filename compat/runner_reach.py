@@ -42,22 +42,27 @@ def _speculator_class(base: type) -> type:
 
 
 def patched_init_speculator(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``init_speculator`` that builds our adapter where V2 builds ``MTPSpeculator`` for an enabled engine."""
+    """``init_speculator`` that builds our adapter where V2 builds ``MTPSpeculator`` for an engine with an
+    ``ascend_spec`` block (enabled: ours drafts; disabled: vLLM's does, through the adapter, which records stats)."""
 
     @functools.wraps(original)
     def init_speculator(vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
         speculator = original(vllm_config, device, *args, **kwargs)
-        if not enabled_for(vllm_config):
-            return speculator
+        extra = vllm_config.additional_config
+        if not (isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY) is not None):
+            return speculator  # no ascend_spec block: vLLM's speculator as it ships
         base = mtp_speculator_class()
-        if base is None or type(speculator) is not base:
+        if base is not None and type(speculator) is base:
+            # ours, or (enabled: false) vLLM's drafting through the adapter, which then only records stats
+            del speculator  # vLLM's, built only to learn which class this release picks
+            return _speculator_class(base)(vllm_config, device)
+        if enabled_for(vllm_config):
             raise CompatError(
                 f"additional_config.{ADDITIONAL_CONFIG_KEY}.enabled=true, but vLLM's V2 model runner built "
                 f"{type(speculator).__name__} for speculative_config.method="
                 f"{vllm_config.speculative_config.method!r}; ours replaces {V2_MTP_CLASS} (one DeepSeek MTP "
                 f"layer) only. Allowed: a model with one MTP layer, or {ADDITIONAL_CONFIG_KEY}.enabled: false")
-        del speculator  # vLLM's, built only to learn which class this release picks
-        return _speculator_class(base)(vllm_config, device)
+        return speculator
 
     setattr(init_speculator, PATCHED, original)
     return init_speculator

@@ -360,3 +360,52 @@ def test_run_tests_on_a_cpu_release_without_speculative_decoding(tmp_path: Path)
     assert proc.returncode == 2, proc.stderr
     rt = json.loads(proc.stdout)["runtime"]
     assert rt["class"] == "not runnable here" and "no speculative decoding on CPU" in rt["reason"]
+
+
+# ----------------------------------------------------------------------------------------------- runners
+
+
+@needs_vllm_sources
+def test_runner_verdict_of_the_installed_release(vllm_copy: Path, tmp_path: Path):
+    proc = run_tool("--from", "installed", "--source", str(vllm_copy), "--json", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runners = json.loads(proc.stdout)["runners"]
+    assert runners["default"] == "v2" and not runners["broken"], runners
+    assert runners["seams"]["v2"].startswith("v2_model_runner.init_speculator reached"), runners
+
+
+@needs_vllm_sources
+def test_default_runner_bypassing_our_seam_is_broken(vllm_copy: Path, tmp_path: Path):
+    """V2 the MTP default and its runner building the speculator some other way than the init_speculator global:
+    every item may read fine, the release is still BROKEN (ours would never be built)."""
+    runner = vllm_copy / "vllm" / "v1" / "worker" / "gpu" / "model_runner.py"
+    text = runner.read_text()
+    assert "init_speculator(" in text
+    runner.write_text(text.replace("from vllm.v1.worker.gpu.spec_decode import init_speculator\n", "")
+                      .replace("init_speculator(", "vllm_build_speculator("))
+    proc = run_tool("--from", "installed", "--source", str(vllm_copy), "--json", cache=tmp_path / "cache")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runners = json.loads(proc.stdout)["runners"]
+    assert runners["default"] == "v2" and runners["broken"], runners
+    assert "BYPASSED" in runners["seams"]["v2"], runners
+
+
+@needs_vllm_sources
+def test_v2_refusing_mtp_makes_v1_the_default_and_v2_drift_harmless(vllm_copy: Path, tmp_path: Path):
+    """A release whose V2 runner refuses method 'mtp' (0.29): V1 is the MTP default, and V2 items that drifted do not
+    break what an MTP engine builds by default."""
+    cfg = vllm_copy / "vllm" / "config" / "vllm.py"
+    text = cfg.read_text()
+    assert '"mlp_speculator",' in text
+    cfg.write_text(text.replace('"mlp_speculator",', '"mlp_speculator",\n                "mtp",', 1))
+    spec = vllm_copy / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "target_dependent_ar" / "speculator.py"
+    tree = ast.parse(spec.read_text())
+    cap = _find_def(tree, "TargetDependentARSpeculator", "capture")
+    _delete_lines(spec, cap.lineno, cap.end_lineno)
+    spec.write_text(spec.read_text().replace("    def capture(self) -> None:\n", "    def _gone(self) -> None:\n"))
+    proc = run_tool("--from", "installed", "--source", str(vllm_copy), "--json", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["runners"]["default"] == "v1" and not data["runners"]["broken"], data["runners"]
+    capture = rows_of(proc)["MTPSpeculator.capture"]
+    assert not capture["broken"] and "not the MTP default" in capture["verdict"], capture

@@ -6,6 +6,7 @@
     python tools/bench_vllm.py --checkpoint bundled-moe --tp 2 --sync   # MoE + YaRN, tensor parallel 2
     python tools/bench_vllm.py --checkpoint bundled-moe-w8a8 --sync     # the same, W8A8-int8 linears
     python tools/bench_vllm.py --dp 2 --sync --rounds 3                 # data parallel 2, unequal loads
+    python tools/bench_vllm.py --runner v2 --sync                       # vLLM's V2 model runner (its MTPSpeculator)
 
 Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
 sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
@@ -26,6 +27,11 @@ medians and ours ÷ vLLM's drafter of ``LLM(...)`` alone and of ``LLM(...)`` and
 draft timings come from each rank's stats file (``ascend_spec.stats_dir``, cumulative over every generate call,
 warm-up included) and live-tensor memory is reported at TP=1 only (``measure_memory``: the unique storage bytes
 of every tensor in the engine process, vLLM's drafter vs ours).
+
+``--runner v1|v2``: vLLM's model runner for both engines (default: vLLM's choice, V1 on this CPU). V2 runs here with
+Triton's interpreter executing vLLM's V2 kernels (``compat.harness.runner_env``): vLLM's own speculator pays for
+that interpreter in its draft time (its input preparation is Triton kernels), ours does not, so on CPU the ratio
+says what each drafter costs here, not what it costs where Triton compiles.
 
 ``--dp 2``: data parallel 2 as vLLM runs it offline (one process per rank, one core each,
 ``compat.harness.run_dp``), rank 0 given three quarters of the prompts and rank 1 the rest, so that rank 1 idles
@@ -201,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="append this run's row to a Markdown table (header written when the file is new)")
     ap.add_argument("--startup", action="store_true",
                     help="time LLM(...) to ready, cold and warm, each engine a process of its own")
+    ap.add_argument("--runner", choices=["v1", "v2"], default=None, help="vLLM's model runner (default: vLLM's)")
     args = ap.parse_args(argv)
+    if args.runner:
+        from ascend_spec.compat.harness import runner_env
+
+        env = runner_env(args.runner)
+        if any(os.environ.get(k) != v for k, v in env.items()):  # Triton and vLLM read these at import
+            os.execve(sys.executable, [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv)], env)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp == 2:
@@ -272,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "acceptance", "mean_accepted_len")}
            for name, v in rows.items()}
     same_tokens = all(results[i]["tokens"] == results[i + 1]["tokens"] for i in range(0, len(results), 2))
-    print(f"\nvLLM CPU engine, {ENGINE['dtype']}, checkpoint {args.checkpoint}, TP={args.tp}, K={args.k}, "
+    print(f"\nvLLM CPU engine ({results[0].get('runner', '?')} runner), {ENGINE['dtype']}, checkpoint {args.checkpoint}, "
+          f"TP={args.tp}, K={args.k}, "
           f"max_model_len {args.max_model_len or ENGINE['max_model_len']}, "
           f"async scheduling {'off' if args.sync else 'on'}, "
           f"{len(prompts)} prompts x {args.max_tokens} tokens, kv blocks {args.kv_blocks or 'default'}, "

@@ -43,6 +43,7 @@ from .common import CheckError, M, log
 from .fetch import Fetcher, cache_root, installed_tree, read_version_file, source_tree, wheel_tree
 from .matrix import matrix, parse_range
 from .report import compare, render_markdown, rows_json, summary_line
+from .runners import apply_runner_verdict, read_runners
 from .runtime import (NOT_RUNNABLE, OURS, RuntimeOptions, default_venv_cache, markdown_section, matrix_summary,
                       run_release)
 from .source_tree import SourceTree
@@ -197,16 +198,20 @@ def _main(args) -> int:
             raise CheckError("cannot parse " + "; ".join(unparsed) +
                              " (a newer Python may be needed to read these sources)")
 
-        extra = ""
+        runners = read_runners(manifest, after, before) if manifest.root == "vllm" else None
+        if runners is not None:
+            rows = apply_runner_verdict(manifest, rows, runners, after)
+        extra = "" if runners is None else f"\n\n**MTP model runner of {after.label}**: {runners.cell()}\n"
         runtime = None
         if args.run_tests:
             ver = args.to  # a release to install: a wheel's or source tree's own version label is not one
             if not ver:
                 raise CheckError("--run-tests needs a release version (--to VERSION)")
             runtime = run_release(fetcher.index, ver, runtime_options(args))
-            extra = markdown_section(runtime)
+            extra += markdown_section(runtime)
 
-        code = 1 if any(r.verdict.broken for r in rows) or (runtime or {}).get("status") == "failed" else 0
+        code = 1 if any(r.verdict.broken for r in rows) or (runtime or {}).get("status") == "failed" \
+            or (runners is not None and runners.broken) else 0
         if (runtime or {}).get("status") == NOT_RUNNABLE:
             code = 2  # asked for a runtime check that could not run here (the report says why)
         elapsed = time.time() - t0
@@ -214,6 +219,7 @@ def _main(args) -> int:
             print(json.dumps({"from": {"label": before.label, "version": before.version},
                               "to": {"label": after.label, "version": after.version},
                               "items": rows_json(rows), "summary": summary_line(rows), "runtime": runtime,
+                              "runners": None if runners is None else runners.as_dict(),
                               "exit_code": code, "seconds": round(elapsed, 1)}, indent=1))
         else:
             print(render_markdown(rows, before, after, extra))
