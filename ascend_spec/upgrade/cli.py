@@ -150,7 +150,7 @@ def _main(args) -> int:
                       f"suite in a virtualenv of that release. Acceptance: the gate against the golden "
                       f"(tests/data/acceptance-golden.json, tolerance {ACCEPTANCE_TOLERANCE}).")
             text = "\n\n".join([header,
-                                  matrix_summary(data["releases"], data["items"], data["runtime"]), text, *sections])
+                                  matrix_summary(data["releases"], data["items"], data["runtime"], data.get("runners")), text, *sections])
         elapsed = time.time() - t0
         if args.json:
             data.update(exit_code=code, seconds=round(elapsed, 1))

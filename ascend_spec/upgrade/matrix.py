@@ -12,6 +12,7 @@ from .fetch import Fetcher
 from .reader import Reader, Reading, list_diff
 from .remote_zip import Progress
 from .report import Row, md_cell
+from .runners import read_runners
 from .source_tree import SourceTree
 
 
@@ -45,6 +46,12 @@ def matrix(manifest, fetcher: Fetcher, lo: Version, hi: Version | None, jobs: in
     finally:
         prog.close()
     text, data, code = render_matrix(manifest, fetcher.package, versions, trees)
+    if manifest.root == "vllm":
+        runners = {str(v): read_runners(manifest, trees[v], trees[versions[-1]]) for v in versions}
+        data["runners"] = {v: r.as_dict() for v, r in runners.items()}
+        text += "\n\n| release | MTP model runner: default, and each runner's drafter seam |\n|---|---|\n" + \
+            "\n".join(f"| {v} | {md_cell(r.cell())} |" for v, r in runners.items())
+        code = max(code, int(runners[str(versions[-1])].broken))
     data["fetch"] = fetcher.stats
     return text, data, code
 

@@ -335,13 +335,20 @@ def markdown_section(res: dict) -> str:
     return "\n".join(lines)
 
 
-def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, dict]) -> str:
-    """One row per release: static verdict (manifest items unsupported there), runtime and acceptance."""
-    out = ["| release | static | runtime (parity suite) | acceptance gate | failure class / reason | time |",
-           "|---|---|---|---|---|---|"]
+def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, dict],
+                   runners: dict[str, dict] | None = None) -> str:
+    """One row per release: static verdict (manifest items unsupported there), the MTP runner an engine gets by
+    default and whether ours reaches its seam, runtime and acceptance."""
+    out = ["| release | static | MTP runner (default: seam) | runtime (parity suite) | acceptance gate "
+           "| failure class / reason | time |", "|---|---|---|---|---|---|---|"]
     for v in releases:
         broken = [i["id"] for i in items if v in i["unsupported_in"]]
+        runner = (runners or {}).get(v)
+        if runner and runner["broken"]:
+            broken.append(f"{runner['default'].upper()} runner bypasses our seam")
         static = "ok" if not broken else f"**BROKEN**: {', '.join(f'`{b}`' for b in broken)}"
+        seam = "—" if not runner else \
+            f"{runner['default'].upper()}: {'ours' if not runner['broken'] else 'BYPASSED'}"
         r = runtime.get(v, {})
         if r.get("status") == NOT_RUNNABLE:
             run, acc, why = "not run", "—", r.get("reason", "")
@@ -350,5 +357,5 @@ def matrix_summary(releases: list[str], items: list[dict], runtime: dict[str, di
             acc = (r.get("acceptance") or {}).get("verdict", "—")
             why = f"{r['class']}: {r.get('reason', '')}" if r.get("class") else ""
         secs = f"{r.get('seconds', 0) / 60:.1f} min" if r.get("status") != NOT_RUNNABLE else ""
-        out.append(f"| {v} | {static} | {run} | {acc} | {why.replace('|', '/')} | {secs} |")
+        out.append(f"| {v} | {static} | {seam} | {run} | {acc} | {why.replace('|', '/')} | {secs} |")
     return "\n".join(out)
