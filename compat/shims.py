@@ -262,23 +262,29 @@ PROPOSER_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
+def missing_methods(cls: type, methods: dict[str, tuple[str, ...]], shown: str, item: str) -> list[Missing]:
+    """Each of ``methods`` (name -> parameters the adapter passes or handles) that ``cls`` or its bases lack, or
+    whose signature lacks one of those parameters; ``shown`` names the class in messages, ``item`` its manifest ids."""
+    missing: list[Missing] = []
+    for method, needs in methods.items():
+        fn = getattr(cls, method, None)
+        if fn is None:
+            missing.append(Missing(f"{shown}.{method}", f"method not found on {shown} or its bases", f"{item}.{method}"))
+            continue
+        params = inspect.signature(fn).parameters
+        lacking = [p for p in needs if p not in params]
+        if lacking:
+            missing.append(Missing(f"{shown}.{method}", f"parameter(s) {lacking} not in {list(params)}",
+                                   f"{item}.{method}"))
+    return missing
+
+
 @covers("drafter_signature", "proposer_location")
 def probe_proposer_api(proposer_cls: type | None) -> list[Missing]:
     """Check the drafter class and the metadata dataclass before the adapter relies on them."""
     if proposer_cls is None:
         return [Missing("vllm.v1.spec_decode.eagle.EagleProposer", "cannot be imported", "EagleProposer")]
-    missing: list[Missing] = []
-    for method, needs in PROPOSER_METHODS.items():
-        fn = getattr(proposer_cls, method, None)
-        if fn is None:
-            missing.append(Missing(f"EagleProposer.{method}", "method not found on EagleProposer or its bases",
-                                   f"EagleProposer.{method}"))
-            continue
-        params = inspect.signature(fn).parameters
-        lacking = [p for p in needs if p not in params]
-        if lacking:
-            missing.append(Missing(f"EagleProposer.{method}", f"parameter(s) {lacking} not in {list(params)}",
-                                   f"EagleProposer.{method}"))
+    missing = missing_methods(proposer_cls, PROPOSER_METHODS, "EagleProposer", "EagleProposer")
     cam = import_first(["vllm.v1.attention.backend", "vllm.v1.attention.backends.utils"], "CommonAttentionMetadata")
     if cam is None:
         missing.append(Missing("CommonAttentionMetadata", "cannot be imported", "CommonAttentionMetadata"))

@@ -4,13 +4,12 @@ and the state it reads, each probed on the live object (see ``shims.py`` for the
 from __future__ import annotations
 
 import importlib
-import inspect
 from typing import Any
 
 import torch
 
 from .manifest import covers
-from .shims import Missing
+from .shims import Missing, missing_methods
 
 #: the module whose global ``init_speculator`` V2's runner calls by name, and the speculator class we subclass
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -45,18 +44,7 @@ def probe_speculator_api(speculator_cls: type | None) -> list[Missing]:
     """Check V2's speculator class before the adapter relies on it."""
     if speculator_cls is None:
         return [Missing(f"{V2_MTP_MODULE}.{V2_MTP_CLASS}", "cannot be imported", "MTPSpeculator")]
-    missing: list[Missing] = []
-    for method, needs in SPECULATOR_METHODS.items():
-        fn = getattr(speculator_cls, method, None)
-        if fn is None:
-            missing.append(Missing(f"{V2_MTP_CLASS}.{method}", "method not found", f"MTPSpeculator.{method}"))
-            continue
-        params = inspect.signature(fn).parameters
-        lacking = [p for p in needs if p not in params]
-        if lacking:
-            missing.append(Missing(f"{V2_MTP_CLASS}.{method}", f"parameter(s) {lacking} not in {list(params)}",
-                                   f"MTPSpeculator.{method}"))
-    return missing
+    return missing_methods(speculator_cls, SPECULATOR_METHODS, V2_MTP_CLASS, "MTPSpeculator")
 
 
 @covers("v2_speculator_seam")
