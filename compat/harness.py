@@ -12,7 +12,8 @@ below); ``prompts``; ``max_tokens`` (int or one per prompt); ``llm`` (more ``LLM
 ``max_num_seqs``, ``num_gpu_blocks_override``); ``graph`` (``torchair_graph_config``); ``ascend``
 (more ``ascend_spec`` keys); ``repeat`` (generate calls; timings of each are reported);
 ``break_api`` (``"EagleProposer.<method>"``: delete that vLLM method first, to see the probe fail); ``unreach``
-(``v1`` | ``v2``: undo our patch of that runner's drafter seam, to see the engine refuse to start);
+(``v1`` | ``v2``: undo our patch of that runner's drafter seam, to see the engine refuse to start); ``env``
+(environment variables set for this run only, e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for a tensor-parallel run);
 ``inject_bug`` (``"next_token_at_optimistic_length"``: our drafter reads its next token at the optimistic host
 length, see :func:`_inject_bug`; for showing that the acceptance gate catches a broken drafter);
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
@@ -315,6 +316,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     result: dict[str, Any] = {"name": name, "config": cfg}
     undo = _break_api(cfg["break_api"]) if cfg.get("break_api") else None
     undo_reach = _unreach(cfg["unreach"]) if cfg.get("unreach") else None
+    saved_env = {k: os.environ.get(k) for k in cfg.get("env", {})}
+    os.environ.update(cfg.get("env", {}))
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
     n_live = len(drafter_mod.LIVE)
     llm = None
@@ -360,6 +363,11 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
         for u in (undo, undo_bug, undo_reach):
             if u is not None:
                 u()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if before_teardown is not None:
             before_teardown()
         del llm

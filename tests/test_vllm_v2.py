@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ascend_spec.compat.harness import CHECKPOINT
+from ascend_spec.compat.harness import CHECKPOINT, PROMPTS
 
 from .conftest import SPEC_COUNTERS, assert_moe_counters_close, run_harness
 
@@ -25,11 +25,10 @@ pytestmark = [
                        reason="vLLM's V2 runner needs Triton (its interpreter runs the kernels on CPU)"),
 ]
 
-PROMPTS = 4
-RUN = {"max_tokens": [24, 32, 16, 28], "llm": {"max_num_seqs": 4}}
+RUN = {"prompts": PROMPTS[:4], "max_tokens": [16, 24, 12, 20], "llm": {"max_num_seqs": 4}}
 GRAPH = {"graph_batch_sizes": [4]}
-#: a KV pool too small for the four requests at once: the scheduler preempts and recomputes
-PREEMPT = {"max_tokens": [48, 48, 48, 48], "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": 12}}
+#: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes
+PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_blocks_override": 6}}
 
 
 def _configs(moe_ckpt: str, tp_ckpt: str) -> list[dict]:
@@ -38,19 +37,18 @@ def _configs(moe_ckpt: str, tp_ckpt: str) -> list[dict]:
         runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
         runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN})
     runs += [
-        {"name": "none_preempt", "drafter": "none", **PREEMPT},
         {"name": "ours_sync_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **PREEMPT},
         {"name": "ours_async_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **PREEMPT},
-        {"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v2", "max_tokens": 4},
-        {"name": "bad_setting", "drafter": "ours", "k": 2, "ascend": {"warmup": "yes"}, "max_tokens": 4},
+        {"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v2", "prompts": PROMPTS[:1], "max_tokens": 4},
+        {"name": "bad_setting", "drafter": "ours", "k": 2, "ascend": {"warmup": "yes"}, "prompts": PROMPTS[:1],
+         "max_tokens": 4},
         {"name": "moe_vllm", "drafter": "vllm", "k": 2, "checkpoint": moe_ckpt, **RUN},
         {"name": "moe_ours", "drafter": "ours", "k": 2, "graph": GRAPH, "checkpoint": moe_ckpt, **RUN},
     ]
     if (os.cpu_count() or 1) >= 2:
-        tp = {"max_tokens": [24, 32, 16, 28], "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2},
-              "checkpoint": tp_ckpt}
-        runs += [{"name": "tp2_none", "drafter": "none", **tp},
-                 {"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
+        tp = {**RUN, "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2}, "checkpoint": tp_ckpt,
+              "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
+        runs += [{"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
                  {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp}]
     return runs
 
@@ -95,7 +93,7 @@ def test_v2_vllms_own_speculator_is_untouched_when_ours_is_off(v2_runs):
 
 
 def test_v2_async_scheduling_with_preemption_equals_sync(v2_runs):
-    ref, sync, asyn = ok(v2_runs, "none_preempt"), ok(v2_runs, "ours_sync_preempt"), ok(v2_runs, "ours_async_preempt")
+    ref, sync, asyn = ok(v2_runs, "none"), ok(v2_runs, "ours_sync_preempt"), ok(v2_runs, "ours_async_preempt")
     assert asyn["async_scheduling"] is True and sync["async_scheduling"] is False
     assert sync["metrics"]["num_preemptions"] > 0 and asyn["metrics"]["num_preemptions"] > 0, "no preemption seen"
     assert sync["tokens"] == ref["tokens"] and asyn["tokens"] == ref["tokens"]
@@ -112,8 +110,8 @@ def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
 def test_v2_tensor_parallel_2_tokens_and_counters(v2_runs):
-    ref, theirs, ours = ok(v2_runs, "tp2_none"), ok(v2_runs, "tp2_vllm"), ok(v2_runs, "tp2_ours")
-    assert theirs["tokens"] == ref["tokens"] and ours["tokens"] == ref["tokens"]
+    theirs, ours = ok(v2_runs, "tp2_vllm"), ok(v2_runs, "tp2_ours")
+    assert ours["tokens"] == theirs["tokens"]
     assert counters(ours) == counters(theirs)
     assert ours["metrics"]["spec_decode_num_accepted_tokens"] > 0
 
@@ -130,7 +128,8 @@ def test_v2_bad_setting_is_one_error_naming_the_key(v2_runs):
 
 
 def test_v1_runner_we_do_not_reach_fails_the_engine_start(tmp_path):
-    (r,) = run_harness([{"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v1", "max_tokens": 4}],
+    (r,) = run_harness([{"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v1", "prompts": PROMPTS[:1],
+                         "max_tokens": 4}],
                        CHECKPOINT, tmp_path, runner="v1").values()
     err = r.get("error", "")
     assert "CompatError" in err and "ours is not reached" in err and "built EagleProposer" in err, err
