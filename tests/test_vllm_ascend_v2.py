@@ -109,7 +109,7 @@ def input_batch(k: int, seq_lens: list[int]) -> types.SimpleNamespace:
 def test_propose_drafts_with_ours_on_the_pair_cache_at_block_128(release, trained_dir, monkeypatch):
     """Through the release's init_speculator: set_attn finds the draft layer's group (block 128) and builds ours on
     a pair stand-in; propose (vllm-ascend's arguments, positionally) binds vllm-ascend's nope/rope tensors, drafts
-    inside its forward context with host KV lengths, and equals the eager proposer on the same inputs."""
+    inside its forward context, and equals the eager proposer on the same inputs."""
     import vllm_ascend.ascend_forward_context as fc
 
     from ascend_spec.compat import draft_core
@@ -124,7 +124,6 @@ def test_propose_drafts_with_ours_on_the_pair_cache_at_block_128(release, traine
     layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
     d = init_speculator(release)(v2_config(True, k=k), "cpu")
     d._ascend_model, d.draft_attn_layer_names = model, {layer}
-    model.takes_host_lengths = True  # torch_npu's attention reads KV lengths from the host
     group = types.SimpleNamespace(layer_names=[layer], kv_cache_spec=types.SimpleNamespace(block_size=block))
     kv_cfg = types.SimpleNamespace(kv_cache_groups=[group], num_blocks=nblocks)
     tables = types.SimpleNamespace(input_block_tables=[torch.tensor([[3, 0], [5, 0]], dtype=torch.int32)],
@@ -154,7 +153,7 @@ def test_propose_drafts_with_ours_on_the_pair_cache_at_block_128(release, traine
     (x,) = seen
     assert x.target_slot_mapping.tolist() == slots[layer].view(2, 3).tolist()
     assert x.token_indices_to_sample.tolist() == [1, 2] and x.next_token_ids.tolist() == [41, 42]
-    assert x.seq_lens_host == (13, 23)
+    assert x.seq_lens_host is None and x.seq_lens.tolist() == [13, 23]  # the reference kernel: device lengths
     (name, args), = fc.CALLS
     assert args["num_tokens"] == d._ascend.graph.tokens_for(2, 1 + k) and args["is_draft_model"] is True
     eager = MtpProposer(model, SpeculativeConfig(num_speculative_tokens=k), 64, reference)
