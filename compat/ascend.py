@@ -23,12 +23,11 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from ascend_spec.config import ConfigError
 
 from . import ascend_hook
 from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .manifest import covers
-from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
+from .settings import METHODS, PluginSettings
 from .shims import CompatError, Missing, call_with_supported, moe_forward_context, raise_if_missing
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)

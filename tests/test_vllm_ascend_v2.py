@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_spec.compat import ascend, ascend_v2
+from ascend_spec.compat import ascend_v2
 from ascend_spec.compat.shims import CompatError
 from ascend_spec.graph.backends.rehearsal import RehearsalBackend
 

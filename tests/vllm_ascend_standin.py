@@ -4,7 +4,10 @@ What can run here runs as vllm-ascend wrote it: the drafter factory (``spec_deco
 ``AscendEagleProposer`` (``spec_decode/eagle_proposer.py``, on the installed vLLM's ``EagleProposer``) are the
 release's own files. What cannot (its base proposer, forward context and V2 speculator import torch_npu, CANN ops and
 vLLM 0.23-only modules) is replaced by stand-ins generated from the release's own signatures, whose bodies record
-the call. The other proposer classes the factory imports are empty stand-ins.
+the call. For the V2 runner, ``init_speculator`` and ``AscendMTPSpeculator``'s module (on the installed vLLM's
+``MTPSpeculator``) run as written; ``AscendEagleSpeculator`` and ``AscendAutoRegressiveSpeculator`` are stand-ins on
+``_StandInV2Speculator`` (what vLLM's V2 speculator sets). The other proposer classes the factory imports are empty
+stand-ins.
 """
 from __future__ import annotations
 
