@@ -9,8 +9,8 @@ an ``AscendEagleProposer`` subclass that drafts with ``MtpTorchairProposer`` on 
 inside ``set_ascend_forward_context``, and hands everything else to vllm-ascend's own ``_propose``. Without the
 switch the factory returns vllm-ascend's own drafter, untouched. vLLM's global is left alone on Ascend.
 
-The V2 model runner (``use_v2_model_runner``) builds its speculator elsewhere (``init_speculator``); with the
-switch on it is refused with one error.
+The V2 model runner (``use_v2_model_runner``) builds its speculator with ``init_speculator``; :func:`install`
+wraps that too, and an enabled MTP engine gets :mod:`ascend_v2`'s adapter over the class it picked.
 """
 from __future__ import annotations
 
@@ -23,12 +23,11 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-from ascend_spec.config import ConfigError
 
 from . import ascend_hook
 from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .manifest import covers
-from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
+from .settings import METHODS, PluginSettings
 from .shims import CompatError, Missing, call_with_supported, moe_forward_context, raise_if_missing
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
@@ -66,16 +65,6 @@ def enabled_for(vllm_config: Any, method: str) -> bool:
     return settings.enabled and method in METHODS
 
 
-def refuse_v2(vllm_config: Any) -> None:
-    """One error when the switch is on under vllm-ascend's V2 model runner (its speculator is not ours)."""
-    if PluginSettings.from_additional_config(vllm_config.additional_config).enabled:
-        raise ConfigError(
-            f"additional_config.{ADDITIONAL_CONFIG_KEY}.enabled=true needs vllm-ascend's V1 model runner "
-            f"(NPUModelRunner); the V2 runner (use_v2_model_runner, VLLM_USE_V2_MODEL_RUNNER=1) builds its "
-            f"speculator with {V2_SPECULATOR} and is not supported. Allowed: VLLM_USE_V2_MODEL_RUNNER=0 with "
-            f"enabled=true, or enabled=false")
-
-
 # ------------------------------------------------------------------------------------------ the factory
 
 
@@ -85,8 +74,6 @@ def patched_factory(original: Callable[..., Any], adapter: Callable[[], type]) -
     @functools.wraps(original)
     def get_spec_decode_method(method: str, vllm_config: Any, device: Any, runner: Any) -> Any:
         if enabled_for(vllm_config, method):
-            if bool(getattr(vllm_config, "use_v2_model_runner", False)):
-                refuse_v2(vllm_config)
             if uses_other_mtp(vllm_config):
                 logger.warning("ascend_spec drafter enabled, but this MTP model is not DeepSeek's (step3p5): "
                                "vllm-ascend's drafter is used")
@@ -99,17 +86,31 @@ def patched_factory(original: Callable[..., Any], adapter: Callable[[], type]) -
 
 
 def uses_other_mtp(vllm_config: Any) -> bool:
-    """vllm-ascend routes Step-3.5's MTP to its own proposer; ours drafts DeepSeek's MTP layer only."""
+    """vllm-ascend routes Step-3.5's (and on main Gemma-4's) MTP to other drafters; ours drafts DeepSeek's only."""
     speculative_config = vllm_config.speculative_config
-    probe = getattr(speculative_config, "use_step3p5_mtp", None)
-    return bool(probe()) if callable(probe) else False
+    probes = [getattr(speculative_config, p, None) for p in ("use_step3p5_mtp", "use_gemma4_mtp")]
+    return any(bool(p()) for p in probes if callable(p))
 
 
 def patched_speculator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``init_speculator`` of vllm-ascend's V2 runner: for an enabled MTP engine, our adapter over the class
+    ``original`` built (:func:`ascend_v2.adapter_for`), else what ``original`` built."""
+
     @functools.wraps(original)
-    def init_speculator(vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        refuse_v2(vllm_config)
-        return original(vllm_config, *args, **kwargs)
+    def init_speculator(vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        speculator = original(vllm_config, device, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        if spec is None or not enabled_for(vllm_config, spec.method):
+            return speculator
+        if uses_other_mtp(vllm_config):
+            logger.warning("ascend_spec drafter enabled, but this MTP model is not DeepSeek's: vllm-ascend's "
+                           "speculator is used")
+            return speculator
+        from .ascend_v2 import adapter_for
+
+        cls = adapter_for(type(speculator))
+        del speculator  # vllm-ascend's, built only to learn which class this release picks
+        return cls(vllm_config, device)
 
     setattr(init_speculator, _PATCHED, original)
     return init_speculator
@@ -224,7 +225,35 @@ def their_propose_kwargs(theirs: Callable[..., Any], passed: dict[str, Any], k: 
     return passed
 
 
-class AscendSpecNpuMixin(AscendSpecMtpMixin):
+class AscendNpuContextMixin:
+    """vllm-ascend's forward context around our draft and warm-up, and its MoE context (both runners)."""
+
+    vllm_config: Any
+
+    def _tokens_across_dp(self) -> Any:
+        """Every rank's token count the runner agreed for this step, where it hands one over (V2), else None."""
+        return None
+
+    def _draft_context(self, rows: int, width: int) -> Any:
+        # sized as the draft runs: graph rows × query width (at least 1 + K, a prefill chunk padded to a graph's width)
+        return forward_context(self._ascend_context_fn(), self.vllm_config,
+                               self._ascend.graph.tokens_for(rows, width), self._tokens_across_dp())
+
+    def _warmup_context(self, num_tokens: int) -> Any:
+        return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens, self._tokens_across_dp())
+
+    def _moe_context(self) -> Any:
+        # On the NPU the torchair graph traces vllm-ascend's MoE inside the draft / warm-up context; an opaque MoE
+        # (the drafter on another device) enters vllm-ascend's context itself where none is set.
+        set_ctx = self._ascend_context_fn()
+        return moe_forward_context(self.vllm_config, lambda n: forward_context(set_ctx, self.vllm_config, n))
+
+    @staticmethod
+    def _ascend_context_fn() -> Callable[..., Any]:
+        return getattr(importlib.import_module(FORWARD_CONTEXT_MODULE), FORWARD_CONTEXT)
+
+
+class AscendSpecNpuMixin(AscendNpuContextMixin, AscendSpecMtpMixin):
     """The Ascend runner's interface: ``_propose`` (its keywords), ``initialize_attn_backend(kv_cache_config,
     block_size)``, ``dummy_run`` (its keywords; the base class's inert draft once ours is built), its data-parallel
     sync; the 4-tuple ``prepare_inputs_padded`` stays vllm-ascend's (it prepares the metadata fallbacks use)."""
@@ -294,23 +323,6 @@ class AscendSpecNpuMixin(AscendSpecMtpMixin):
             return "context_parallel"  # pcp/dcp split the tokens across ranks: vllm-ascend's path
         return None
 
-    def _draft_context(self, rows: int, width: int) -> Any:
-        # sized as the draft runs: graph rows × query width (at least 1 + K, a prefill chunk padded to a graph's width)
-        return forward_context(self._ascend_context_fn(), self.vllm_config, self._ascend.graph.tokens_for(rows, width))
-
-    def _warmup_context(self, num_tokens: int) -> Any:
-        return forward_context(self._ascend_context_fn(), self.vllm_config, num_tokens)
-
-    def _moe_context(self) -> Any:
-        # On the NPU the torchair graph traces vllm-ascend's MoE inside the draft / warm-up context; an opaque MoE
-        # (the drafter on another device) enters vllm-ascend's context itself where none is set.
-        set_ctx = self._ascend_context_fn()
-        return moe_forward_context(self.vllm_config, lambda n: forward_context(set_ctx, self.vllm_config, n))
-
-    @staticmethod
-    def _ascend_context_fn() -> Callable[..., Any]:
-        return getattr(importlib.import_module(FORWARD_CONTEXT_MODULE), FORWARD_CONTEXT)
-
 
 def build_ascend_adapter_class(base: type) -> type:
     """Subclass vllm-ascend's ``AscendEagleProposer`` (``base``) into the adapter the NPU runner drives."""
@@ -325,8 +337,11 @@ def sync_draft_across_dp(npu_runner: Any, num_tokens: int) -> None:
 
 
 @covers("ascend_forward_context_params")
-def forward_context(set_ctx: Callable[..., Any], vllm_config: Any, num_tokens: int) -> Any:
+def forward_context(set_ctx: Callable[..., Any], vllm_config: Any, num_tokens: int,
+                    num_tokens_across_dp: Any = None) -> Any:
     """vllm-ascend's forward context for a draft of ``num_tokens`` (MoE communication, TP groups read it). Only
-    keywords every supported release accepts are passed; releases add and drop others (``input_ids``)."""
+    keywords every supported release accepts are passed; releases add and drop others (``input_ids``). The
+    runner's ``num_tokens_across_dp`` (V2) is passed on where given: the context then agrees no counts itself."""
+    extra = {} if num_tokens_across_dp is None else {"num_tokens_across_dp": num_tokens_across_dp}
     return call_with_supported(set_ctx, None, vllm_config, num_tokens=num_tokens, is_draft_model=True,
-                               in_profile_run=False)
+                               in_profile_run=False, **extra)

@@ -15,7 +15,7 @@ our graphs replace them; what it still drafts itself (dynamic K, probabilistic d
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,7 +23,7 @@ from ascend_spec.inputs import pad_ragged, table_width
 from ascend_spec.proposer import DraftInputs
 
 from .draft_core import DraftCoreMixin, fit_width
-from .shims import CompatError, raise_if_missing
+from .shims import CompatError, Missing, raise_if_missing
 from .shims_v2 import (cudagraph_mode_none, probe_speculator_api, v2_draft_slots, v2_kv_group, v2_last_sampled_tokens,
                        v2_prefill_next_tokens)
 
@@ -38,11 +38,14 @@ class AscendSpecV2Mixin(DraftCoreMixin):
         self._draft_group = 0
         self._block_size = 0
         if self.ascend_enabled:
-            raise_if_missing(probe_speculator_api(self.vllm_base), "V2 speculator interface")
+            raise_if_missing(self._probe_v2_api(), "V2 speculator interface")
             self._refuse_v2_dp_moe()
 
     def _draft_block_size(self) -> int:
         return self._block_size
+
+    def _probe_v2_api(self) -> list[Missing]:
+        return probe_speculator_api(self.vllm_base)
 
     def _refuse_v2_dp_moe(self) -> None:
         from .host_weights import config_from_vllm
@@ -85,10 +88,27 @@ class AscendSpecV2Mixin(DraftCoreMixin):
                 last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor, temperature: torch.Tensor,
                 seeds: torch.Tensor, *args: Any, dummy_run: bool = False, is_profile: bool = False,
                 num_speculative_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
+        def theirs() -> torch.Tensor:
+            return super(AscendSpecV2Mixin, self).propose(
+                input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run,
+                is_profile=is_profile, num_speculative_tokens=num_speculative_tokens, **kwargs)
+
+        return self._propose_v2(input_batch, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+                                num_rejected, last_sampled, next_prefill_tokens, theirs, dummy_run=dummy_run,
+                                is_profile=is_profile, k=num_speculative_tokens, mm_inputs=kwargs.get("mm_inputs"),
+                                dp_synced=kwargs.get("dp_sync_state") is not None)
+
+    def _propose_v2(self, input_batch: Any, slot_mappings: Any, last_hidden_states: torch.Tensor,
+                    aux_hidden_states: Any, num_sampled: torch.Tensor, num_rejected: torch.Tensor,
+                    last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
+                    theirs: Callable[[], torch.Tensor], *, dummy_run: bool, is_profile: bool, k: int | None,
+                    mm_inputs: Any, dp_synced: bool) -> torch.Tensor:
+        """One V2 ``propose``: ours drafts it, or ``theirs`` (the speculator's own, with the runner's arguments);
+        shared by every V2 runner's adapter (vLLM's, vllm-ascend's), whose ``propose`` signatures differ."""
         t0 = time.perf_counter()
         b = input_batch.num_reqs
-        reason = self._fallback_reason(num_speculative_tokens, aux_hidden_states, input_batch, is_profile,
-                                       kwargs.get("mm_inputs"), kwargs.get("dp_sync_state"))
+        reason = self._fallback_reason(k, aux_hidden_states, input_batch, bool(is_profile), mm_inputs, dp_synced)
         if reason is None and dummy_run:
             self._inert_draft(b)
             self.draft_tokens[:b].zero_()
@@ -103,10 +123,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             self.draft_tokens[:b] = draft
             out = self.draft_tokens[:b]
         else:
-            out = super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
-                                  num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
-                                  *args, dummy_run=dummy_run, is_profile=is_profile,
-                                  num_speculative_tokens=num_speculative_tokens, **kwargs)
+            out = theirs()
         st = self.ascend_stats
         if dummy_run:
             st.dummy_calls += 1
@@ -117,7 +134,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
         return out
 
     def _fallback_reason(self, k: int | None, aux_hidden_states: Any, input_batch: Any, is_profile: bool,
-                         mm_inputs: Any, dp_sync_state: Any) -> str | None:
+                         mm_inputs: Any, dp_synced: bool) -> str | None:
         """Why vLLM's own speculator must run this call, or None when ours drafts it."""
         if not self.ascend_enabled:
             return "disabled"
@@ -135,8 +152,8 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             return "draft_logits_consumer"  # watermarking, adaptive verification read the draft distribution
         if input_batch.positions.dim() != 1:
             return "mrope"
-        if self.ascend_stats.dp_size > 1 and dp_sync_state is None:
-            return "dp_unsynced"  # vLLM's would agree the shapes in a collective of its own
+        if self.ascend_stats.dp_size > 1 and not dp_synced:
+            return "dp_unsynced"  # the runner agreed no shapes across ranks: the speculator's own would
         return None
 
     def _propose_ours(self, input_batch: Any, slot_mappings: Any, hidden: torch.Tensor, num_sampled: torch.Tensor,

@@ -44,12 +44,16 @@ def archive(tag: str, dest: Path, tree: Path | None = None) -> Path:
     return p
 
 
+V2_LOCATION = {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator"}
+#: from v0.25.1rc1 the MTP speculator is AscendMTPSpeculator on AscendAutoRegressiveSpeculator (shim ascend_v2_speculator)
+V2_MTP_CLASS = {"v2.AscendMTPSpeculator", "v2.AscendEagleSpeculator", "v2.AscendEagleSpeculator.set_attn",
+                "v2.AscendAutoRegressiveSpeculator.propose", "v2.AscendAutoRegressiveSpeculator.set_attn"}
+
+
 @pytest.mark.parametrize("tag,shimmed", [
-    ("v0.24.0rc1", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator"}),
-    ("v0.25.1rc1", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator"}),
-    ("main", {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRunner.init_speculator",
-              "AscendEagleProposer._propose",
-              "set_ascend_forward_context"}),
+    ("v0.24.0rc1", V2_LOCATION),
+    ("v0.25.1rc1", V2_LOCATION | V2_MTP_CLASS),
+    ("main", V2_LOCATION | V2_MTP_CLASS | {"AscendEagleProposer._propose", "set_ascend_forward_context"}),
 ])
 def test_supported_releases_pass_with_the_shims_named(capsys, tag, shimmed):
     code, rep = run(capsys, "--from", str(DATA / "v0.23.0"), "--source", str(DATA / tag), "--to", tag)

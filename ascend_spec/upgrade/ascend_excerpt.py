@@ -3,7 +3,7 @@
 The files ``compat/ascend.py`` relies on are large (the NPU model runner is ~250 kB); the tests keep, per release,
 only what the adapter's checks read: the factory and ``AscendEagleProposer`` verbatim, the base proposer's and the
 forward context's signatures (bodies dropped), the runner's methods that touch ``self.drafter`` (and the DP sync
-the drafter calls) verbatim, the V2 speculator's signature and the platform's class attributes. Module-level
+the drafter calls) verbatim, the V2 speculator factory verbatim, its speculator classes' signatures and the platform's class attributes. Module-level
 imports are kept so that names resolve as in the release. ``tools/vendor_vllm_ascend.py`` writes them into
 ``tests/data/vllm_ascend/<tag>/``.
 """
@@ -24,8 +24,13 @@ EXCERPTS: dict[str, str] = {
     "vllm_ascend/worker/model_runner_v1.py": "runner",
     "vllm_ascend/worker/v2/__init__.py": "empty",
     "vllm_ascend/worker/v2/model_runner.py": "runner",
-    "vllm_ascend/worker/v2/spec_decode/__init__.py": "signatures",
-    "vllm_ascend/worker/v2/spec_decode/eagle/__init__.py": "signatures",
+    "vllm_ascend/worker/v2/spec_decode/__init__.py": "verbatim",
+    "vllm_ascend/worker/v2/spec_decode/eagle/__init__.py": "verbatim",
+    "vllm_ascend/worker/v2/spec_decode/eagle/speculator.py": "signatures",
+    "vllm_ascend/worker/v2/spec_decode/autoregressive/__init__.py": "empty",
+    "vllm_ascend/worker/v2/spec_decode/autoregressive/speculator.py": "signatures",
+    "vllm_ascend/worker/v2/spec_decode/mtp/__init__.py": "empty",
+    "vllm_ascend/worker/v2/spec_decode/mtp/speculator.py": "verbatim",
     "vllm_ascend/platform.py": "class-attrs",
 }
 RUNNER_CLASS = "NPUModelRunner"

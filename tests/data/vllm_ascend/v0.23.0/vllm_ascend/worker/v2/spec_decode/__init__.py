@@ -1,2 +1,1 @@
-# excerpt of vllm-ascend v0.23.0: vllm_ascend/worker/v2/spec_decode/__init__.py (signatures)
-
+# excerpt of vllm-ascend v0.23.0: vllm_ascend/worker/v2/spec_decode/__init__.py (verbatim)

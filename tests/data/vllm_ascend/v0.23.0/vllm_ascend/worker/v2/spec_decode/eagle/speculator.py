@@ -1,0 +1,84 @@
+# excerpt of vllm-ascend v0.23.0: vllm_ascend/worker/v2/spec_decode/eagle/speculator.py (signatures)
+from contextlib import contextmanager
+from copy import copy
+from typing import Any, cast
+import torch
+import vllm
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.config.compilation import CUDAGraphMode
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.worker.gpu.block_table import BlockTables
+from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.model_states.interface import ModelState
+from vllm.v1.worker.gpu.spec_decode.autoregressive import speculator as vllm_speculator_module
+from vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils import PrefillSpeculatorCudaGraphManager
+from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+from vllm_ascend.attention.attention_v1 import AscendAttentionState
+from vllm_ascend.worker.v2.attn_utils import build_attn_metadata
+from vllm_ascend.worker.v2.input_batch import AscendInputBuffers
+from vllm_ascend.worker.v2.spec_decode.eagle.aclgraph import PrefillEagleAclGraphManager
+
+class AscendEagleSpeculator(EagleSpeculator):
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        ...
+
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        ...
+
+    def propose(self, input_batch: InputBatch, attn_metadata: dict[str, Any], slot_mappings: dict[str, torch.Tensor], last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None, num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, num_tokens_across_dp: torch.Tensor | None=None, dummy_run: bool=False, skip_attn_for_dummy_run: bool=False, mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None=None, is_profile: Any=None):
+        ...
+
+    def set_attn(self, model_state: ModelState, kv_cache_config: KVCacheConfig, block_tables: BlockTables) -> None:
+        ...
+
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None, slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None, cudagraph_runtime_mode: CUDAGraphMode=CUDAGraphMode.NONE) -> None:
+        ...
+
+    @torch.inference_mode()
+    def _run_model(self, num_tokens: int, attn_metadata: dict[str, Any] | None, slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None, cudagraph_runtime_mode: CUDAGraphMode=CUDAGraphMode.NONE, mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None=None) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def build_draft_attn_metadatas(self, num_reqs_padded, is_draft_model_prefill):
+        ...
+
+    def _ascend_prepare_decode_draft(self, attn_metadata: dict[str, Any] | None, num_reqs: int) -> None:
+        ...
+
+    def _ascend_update_seq_lens(self, attn_metadata: dict[str, Any] | None) -> None:
+        ...
+
+    def _init_decode_attn_metadata(self, attn_metadata: dict[str, Any] | None, num_reqs: int):
+        ...
+
+    def _init_decode_draft_attn_metadatas(self, attn_metadata: dict[str, Any] | None, num_reqs_padded: int):
+        ...
+
+    def _increment_decode_attn_metadata(self, attn_metadata: dict[str, Any] | None):
+        ...
+
+    def _update_decode_attn_metadata(self, attn_metadata: dict[str, Any] | None, step: int, num_reqs: int | None=None):
+        ...
+
+    def _calc_next_seq_lens_cpu(self, seq_lens_cpu, num_reqs, num_reqs_padded, step):
+        ...
+
+    def _get_seq_lens_cpu(self) -> torch.Tensor:
+        ...
+
+@contextmanager
+def build_attn_metadata_wrapper():
+    ...
+
+def gather(input, dim, index, *, sparse_grad=False, out=None):
+    ...
+
+@contextmanager
+def torch_gather_wrapper():
+    ...
+
+@contextmanager
+def graph_manager_wrapper(speculator):
+    ...
