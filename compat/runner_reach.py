@@ -12,6 +12,7 @@ import logging
 from types import ModuleType
 from typing import Any, Callable
 
+from .manifest import covers
 from .settings import ADDITIONAL_CONFIG_KEY, METHODS, PluginSettings
 from .shims import CompatError
 from .shims_v2 import V2_MTP_CLASS, V2_RUNNER_MODULE, V2_SEAM, mtp_speculator_class, runner_drafter
@@ -85,8 +86,10 @@ def check_reached(vllm_config: Any, model_runner: Any) -> None:
         f"{ADDITIONAL_CONFIG_KEY}.enabled: false")
 
 
+@covers("v2_speculator_seam", "v2_runner_absent")
 def patch_v2_runner(module: ModuleType) -> None:
-    """Rebind V2's ``init_speculator`` global (once)."""
+    """Rebind V2's ``init_speculator`` global (once), when V2's runner module imports: a release without it never
+    does, and V1's seam is then the only one."""
     fn = getattr(module, V2_SEAM, None)
     if fn is not None and getattr(fn, PATCHED, None) is None:
         setattr(module, V2_SEAM, patched_init_speculator(fn))

@@ -404,14 +404,14 @@ def test_our_proposer_drafts_on_vllm_ascends_nope_rope_cache(release, trained_di
     was warmed up with: the run's block-table width in blocks of 128), with the reference attention kernel: the
     drafts and every cache write equal the eager proposer's on the same inputs."""
     from ascend_spec import torchair_proposer
-    from ascend_spec.compat import drafter
+    from ascend_spec.compat import draft_core
     from ascend_spec.config import SpeculativeConfig
     from ascend_spec.graph.latent_cache import allocate_latent_cache
     from ascend_spec.graph.weights import load_model
     from ascend_spec.proposer import MtpProposer
 
     backend = RehearsalBackend("raise")
-    monkeypatch.setattr(drafter, "get_backend", lambda *a, **kw: backend)
+    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: backend)
     model = load_model(trained_dir)
     cfg = model.cfg
     k, block, num_blocks, layer = 2, 128, 8, f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"

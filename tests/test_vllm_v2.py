@@ -9,6 +9,7 @@ reach, V1's and V2's alike, fails the engine start with one error instead of dra
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import time
 
@@ -31,12 +32,14 @@ GRAPH = {"graph_batch_sizes": [4]}
 PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_blocks_override": 6}}
 
 
-def _configs(moe_ckpt: str, tp_ckpt: str) -> list[dict]:
+def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
     runs = [{"name": "none", "drafter": "none", **RUN}]
     for k in (1, 2, 3):
         runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
         runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN})
     runs += [
+        {"name": "ours_k2_async", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **RUN},
+        {"name": "vllm_sync_preempt", "drafter": "vllm", "k": 2, **PREEMPT},
         {"name": "ours_sync_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **PREEMPT},
         {"name": "ours_async_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **PREEMPT},
         {"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v2", "prompts": PROMPTS[:1], "max_tokens": 4},
@@ -49,15 +52,18 @@ def _configs(moe_ckpt: str, tp_ckpt: str) -> list[dict]:
         tp = {**RUN, "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2}, "checkpoint": tp_ckpt,
               "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
         runs += [{"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
-                 {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp}]
+                 {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp,
+                  "ascend": {"stats_dir": stats_dir}}]  # workers are processes: their stats come from files
     return runs
 
 
 @pytest.fixture(scope="module")
 def v2_runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
-    runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT), CHECKPOINT,
-                       tmp_path_factory.mktemp("vllm_v2"), runner="v2", timeout=2400)
+    tmp = tmp_path_factory.mktemp("vllm_v2")
+    runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")), CHECKPOINT,
+                       tmp, runner="v2", timeout=2400)
+    runs["stats_dir"] = tmp / "tp2_stats"
     print(f"\n{len(runs)} vLLM V2 engine runs in {time.time() - t0:.0f} s")
     return runs
 
@@ -92,13 +98,25 @@ def test_v2_vllms_own_speculator_is_untouched_when_ours_is_off(v2_runs):
     assert ok(v2_runs, "vllm_k2")["drafter"] == []  # no adapter built: vLLM's MTPSpeculator as it ships
 
 
-def test_v2_async_scheduling_with_preemption_equals_sync(v2_runs):
-    ref, sync, asyn = ok(v2_runs, "none"), ok(v2_runs, "ours_sync_preempt"), ok(v2_runs, "ours_async_preempt")
+def test_v2_async_scheduling_gives_syncs_tokens_and_counters(v2_runs):
+    ref, sync, asyn = ok(v2_runs, "none"), ok(v2_runs, "ours_k2"), ok(v2_runs, "ours_k2_async")
     assert asyn["async_scheduling"] is True and sync["async_scheduling"] is False
-    assert sync["metrics"]["num_preemptions"] > 0 and asyn["metrics"]["num_preemptions"] > 0, "no preemption seen"
-    assert sync["tokens"] == ref["tokens"] and asyn["tokens"] == ref["tokens"]
+    assert asyn["tokens"] == ref["tokens"]
     assert counters(asyn) == counters(sync)
-    assert asyn["drafter"][0]["fallback_calls"] == 0
+    assert asyn["drafter"][0]["fallback_calls"] == 0 and asyn["drafter"][0]["graph_calls"] > 0
+
+
+def test_v2_preemption_keeps_tokens_sync_and_async(v2_runs):
+    """A pool too small for the four requests: preempted and recomputed, the tokens stay no-spec's; sync, ours
+    drafts vLLM's speculator's drafts (the same preemptions, the same counters)."""
+    ref, theirs = ok(v2_runs, "none"), ok(v2_runs, "vllm_sync_preempt")
+    for name in ("ours_sync_preempt", "ours_async_preempt"):
+        r = ok(v2_runs, name)
+        assert r["metrics"]["num_preemptions"] > 0, f"{name}: no preemption happened"
+        assert r["tokens"] == ref["tokens"], name
+        assert r["drafter"][0]["fallback_calls"] == 0
+    assert ok(v2_runs, "ours_async_preempt")["async_scheduling"] is True
+    assert counters(ok(v2_runs, "ours_sync_preempt")) == counters(theirs)
 
 
 def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
@@ -112,6 +130,10 @@ def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
 def test_v2_tensor_parallel_2_tokens_and_counters(v2_runs):
     theirs, ours = ok(v2_runs, "tp2_vllm"), ok(v2_runs, "tp2_ours")
     assert ours["tokens"] == theirs["tokens"]
+    for rank in (0, 1):  # both ranks drafted with ours, through the graphs
+        stats = json.loads((v2_runs["stats_dir"] / f"drafter-rank{rank}.json").read_text())
+        assert stats["drafter"] == "ascend_spec" and stats["runner"] == "v2", stats
+        assert stats["graph_calls"] > 0 and stats["fallback_calls"] == 0 and stats["vocab_parallel_greedy"], stats
     assert counters(ours) == counters(theirs)
     assert ours["metrics"]["spec_decode_num_accepted_tokens"] > 0
 
