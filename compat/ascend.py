@@ -28,7 +28,8 @@ from . import ascend_hook
 from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .manifest import covers
 from .settings import METHODS, PluginSettings
-from .shims import CompatError, Missing, call_with_supported, moe_forward_context, raise_if_missing
+from .shims import CompatError, Missing, call_with_supported, raise_if_missing
+from .shims_parallel import moe_forward_context
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
 

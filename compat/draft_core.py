@@ -34,13 +34,8 @@ from ascend_spec.torchair_proposer import MtpTorchairProposer
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view
 from .settings import METHODS, PluginSettings
-from .shims import (
-    CompatError,
-    dp_coordinate,
-    installed_vllm_version,
-    moe_forward_context,
-    refuse_cpu_dp_moe,
-)
+from .shims import CompatError, installed_vllm_version
+from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
 
 # Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
 logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)

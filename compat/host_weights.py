@@ -42,7 +42,8 @@ from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.vocab_parallel import local_candidate, pick_candidate
 
 from .manifest import covers
-from .shims import CompatError, vocab_parallel_slice
+from .shims import CompatError
+from .shims_parallel import vocab_parallel_slice
 
 logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
 

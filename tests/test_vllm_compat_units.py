@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ascend_spec.compat import shims
+from ascend_spec.compat import shims, shims_parallel
 from ascend_spec.compat.settings import PluginSettings
 from ascend_spec.config import ConfigError
 
@@ -235,7 +235,7 @@ def test_moe_forward_context_sets_one_only_when_none_is_set():
         return contextlib.nullcontext()
 
     cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1))
-    context = shims.moe_forward_context(cfg, ascend_like)
+    context = shims_parallel.moe_forward_context(cfg, ascend_like)
     assert not is_forward_context_available()
     with context(12):
         pass
@@ -250,7 +250,7 @@ def test_moe_forward_context_sets_one_only_when_none_is_set():
     assert seen == [12]
     dp = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
     with pytest.raises(shims.CompatError, match="data_parallel_size=2"):
-        shims.moe_forward_context(dp)
+        shims_parallel.moe_forward_context(dp)
 
 
 def test_absorbed_mla_matrices_are_views_or_one_error_naming_the_backend():
@@ -289,11 +289,11 @@ def test_a_moe_model_under_data_parallel_on_vllm_cpu_is_one_error_at_start(monke
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     dp = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
-    shims.refuse_cpu_dp_moe(types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1)))
+    shims_parallel.refuse_cpu_dp_moe(types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=1)))
     with pytest.raises(shims.CompatError, match=r"data_parallel_size=2 with a MoE model .* all_gatherv"):
-        shims.refuse_cpu_dp_moe(dp)
+        shims_parallel.refuse_cpu_dp_moe(dp)
     monkeypatch.setattr(CpuCommunicator, "all_gatherv", lambda self, x, dim=0, sizes=None: x, raising=False)
-    shims.refuse_cpu_dp_moe(dp)
+    shims_parallel.refuse_cpu_dp_moe(dp)
 
 
 class _DummyRunBase:
