@@ -155,21 +155,34 @@ def _break_api(spec: str):
 
 
 def _unreach(runner: str):
-    """Test-only: undo our patch of ``runner``'s drafter seam, as a release whose seam moved would; returns an undo.
-    The engine must then fail at start (``runner_reach.check_reached``), never draft with vLLM's in our name."""
+    """Test-only: undo our patch of ``runner``'s drafter seam, and keep the plugin from making it again, as a release
+    whose seam moved would; returns an undo. The engine must then fail at start (``runner_reach.check_reached``),
+    never draft with vLLM's drafter in our name."""
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    from .runner_reach import PATCHED
+    from . import plugin, runner_reach
     from .shims_v2 import V2_RUNNER_MODULE, V2_SEAM
 
     if runner == "v1":
-        ours = gmr.EagleProposer
-        gmr.EagleProposer = ours.vllm_base
-        return lambda: setattr(gmr, "EagleProposer", ours)
+        build, current = plugin.build_adapter_class, gmr.EagleProposer
+        plugin.build_adapter_class = lambda base: base
+        gmr.EagleProposer = getattr(current, "vllm_base", current)
+
+        def undo_v1() -> None:
+            plugin.build_adapter_class, gmr.EagleProposer = build, current
+
+        return undo_v1
+    wrap = runner_reach.patched_init_speculator
+    runner_reach.patched_init_speculator = lambda original: original
     module = importlib.import_module(V2_RUNNER_MODULE)
-    ours = getattr(module, V2_SEAM)
-    setattr(module, V2_SEAM, getattr(ours, PATCHED))
-    return lambda: setattr(module, V2_SEAM, ours)
+    current = getattr(module, V2_SEAM)
+    setattr(module, V2_SEAM, getattr(current, runner_reach.PATCHED, current))
+
+    def undo_v2() -> None:
+        runner_reach.patched_init_speculator = wrap
+        setattr(module, V2_SEAM, current)
+
+    return undo_v2
 
 
 INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
