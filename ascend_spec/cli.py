@@ -286,8 +286,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["upgrade-check"]:  # a tool, not the runtime: the installed command dispatches it
-        print("error: upgrade-check is ascend_spec_tools' command: run `ascend-spec upgrade-check` or "
-              "`python -m ascend_spec_tools.cli upgrade-check`", file=sys.stderr)
+        print("error: upgrade-check is ascend_spec_tools' command: run `python -m ascend_spec_tools.cli "
+              "upgrade-check`, or reinstall (`pip install -e .`) where `ascend-spec` still points here",
+              file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,

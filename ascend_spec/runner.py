@@ -202,7 +202,8 @@ class ModelRunner:
 
     def _replay_args(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None,
                      running: list[Sequence]) -> tuple[StepKey, tuple]:
-        """The fused step's arguments for ``batch``, whose live rows are ``running`` (:meth:`RunnerParts.replay_args`)."""
+        """The fused step's arguments for ``batch``, whose live rows are ``running``
+        (:meth:`.runner_parts.RunnerParts.replay_args`)."""
         return self.parts.replay_args(batch, width, noise, running)
 
     def host_lengths(self, lengths: Iterable[int]) -> tuple[int, ...] | None:
