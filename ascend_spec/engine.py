@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from .config import EngineConfig
-from .fused_step import GREEDY, RANDOM
 from .graph.backends import Backend
 from .graph.model import DeepseekV3ForCausalLM
 from .k_policy import AcceptanceTracker, KPolicy
@@ -23,7 +22,7 @@ from .kv_cache import BlockManager, KVCaches
 from .metrics import RunStats, SpecMetrics
 from .runner import ModelRunner
 from .warmup import WarmupReport, dynamo_compile_count
-from .sampling import SamplingParams, make_generator
+from .sampling import GREEDY, RANDOM, SamplingParams, make_generator
 from .scheduler import Scheduler, Sequence
 
 __all__ = ["AcceptanceTracker", "Engine", "RequestOutput", "RunStats", "dynamo_compile_count", "load_engine"]
@@ -188,7 +187,8 @@ class Engine:
             self._warm(params, hints, stats)
         generator = make_generator(seed, self.device)
         seqs = [Sequence(i, list(p), sp, mt) for i, (p, sp, mt) in enumerate(zip(prompts, params, max_tokens))]
-        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k_policy, self.eos_token_id)
+        sched = Scheduler(self.blocks, self.cfg.max_model_len, limit, self.k_policy, self.eos_token_id,
+                          warm=self.runner.warm)
         sched.add(seqs, arrivals)
         metrics = SpecMetrics(self.k_max) if self.k_max else None
         compiles_before = dynamo_compile_count()

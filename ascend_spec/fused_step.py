@@ -11,7 +11,6 @@ width), never a graph key.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,22 +23,11 @@ from .graph.model import DeepseekV3ForCausalLM
 from .graph.latent_cache import LatentCache, block_size_of
 from .graph.steps import HostLengths, make_draft_step, make_target_step, slots_for
 from .proposer import shift_in_next_tokens
-from .sampling import SamplingTensors
+from .sampling import GREEDY, MAX_LOGPROBS, RANDOM, SamplingTensors, top_logprobs
 
-GREEDY, RANDOM = "greedy", "random"
-#: top logprobs a logprobs graph returns per token (vLLM's default ``max_logprobs``); requests take their N of them
-MAX_LOGPROBS = 20
 SpecStep = Callable[..., tuple[torch.Tensor, ...]]
 #: the fused step's batch arguments (input_ids … exponential) and its block table (argument 3)
 SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(11)), width=(3,), pools_from=11)
-
-
-def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """logits [B, Q, V], sampled [B, Q] (−1 placeholders allowed) → (top ids, top logprobs [B, Q, n],
-    sampled token's logprob [B, Q]); raw log-softmax of the target's logits, as vLLM's default reports."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[..., :0], sampled.new_zeros(*sampled.shape, 0))
-    return top_ids, top_lp, lp.gather(-1, sampled.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass(frozen=True)
@@ -223,24 +211,3 @@ class SpecStepGraphs:
         except Exception as exc:  # noqa: BLE001 - any graph/runtime fault costs this step only
             note_graph_failure(self.failures, key, f"fused step {key.tag}", exc, self.backend.graph_failure)
             return self._fn(key)(*args)
-
-
-def wait_for(device: torch.device) -> None:
-    """Block until ``device`` has run the work queued on it (a CUDA graph's or an NPU's replay returns at launch)."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
-def time_call(fn: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
-    """Median seconds of ``repeats`` calls (after one untimed call), each until ``device`` has run what it queued (timed
-    at launch, every K of a CUDA-graph step costs about the same)."""
-    dev = device or torch.device("cpu")
-    fn()
-    wait_for(dev)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        wait_for(dev)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]

@@ -1,8 +1,7 @@
-"""Requests → a step's inputs: how far a step reaches into a request's cache, the drafts that fit below
-``max_model_len``, the block table's width and rows, cache slots, ragged chunks right-padded into ``[B, n]``, the
-step-by-step path's verify, and the fused path's device-side batch (:class:`DeviceBatch`).
+"""Requests → a step's inputs: the block table's width and rows, cache slots, ragged chunks right-padded into
+``[B, n]``, the step-by-step path's verify, and the fused path's device-side batch (:class:`DeviceBatch`).
 
-The scheduler sizes a request's blocks with :func:`step_tokens`, the runner builds its tensors with the rest; the
+The scheduler sizes a request's blocks with :func:`.requests.step_tokens`, the runner builds its tensors here; the
 graphs compute the same on device (``graph.latent_cache.slots_for``, the fused step's verify in
 :mod:`.fused_step`). The block size is always an argument (the caches': 16 on vLLM's CPU_MLA, 64 on FlashMLA, 128
 on vllm-ascend); a request's blocks are a list of block ids whatever the cache layout.
@@ -10,28 +9,12 @@ on vllm-ascend); a request's blocks are a list of block ids whatever the cache l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .fused_step import GREEDY
 from .graph.mla_kernels import live_blocks
-from .sampling import SamplingParams, SamplingTensors
-
-if TYPE_CHECKING:
-    from .scheduler import Sequence
-
-
-def step_tokens(num_tokens: int, k: int) -> int:
-    """Cache positions a step at K = ``k`` touches, from 0, for a request of ``num_tokens``: the verify writes up to
-    ``start + K``, the chained drafts up to ``start + 2K - 1`` (``start = num_tokens - 1``, the last token's)."""
-    return num_tokens - 1 + max(1 + k, 2 * k)
-
-
-def drafts_fit(num_tokens: int, offered: int, max_model_len: int) -> int:
-    """Drafts of the ``offered`` a step verifies for a request of ``num_tokens``: room for them and the bonus token
-    below ``max_model_len`` (the fused step's verify computes the same on device)."""
-    return max(0, min(offered, max_model_len - (num_tokens - 1) - 2))
+from .requests import Sequence
+from .sampling import GREEDY, SamplingParams, SamplingTensors
 
 
 def table_width(longest_tokens: int, max_blocks: int, block_size: int, trim: bool) -> int:

@@ -11,14 +11,11 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, choose_k
-from .fused_step import MAX_LOGPROBS
-
-if TYPE_CHECKING:
-    from .scheduler import Sequence
-    from .warmup import GraphWarmup
+from .requests import Sequence
+from .sampling import MAX_LOGPROBS
 
 #: pseudo-drafts each position's acceptance starts from
 PRIOR_WEIGHT = 2
@@ -91,6 +88,15 @@ def in_step_share(running: list[Sequence]) -> float:
     return sum(n for n in budgets.values() if n > 1) / len(running)
 
 
+class DeferredGraphs(Protocol):
+    """What the policy asks of warm-up (:class:`.warmup.GraphWarmup`): the K values whose graphs it deferred, and
+    to compile one of them before the step that picked it runs."""
+
+    deferred: set[int]
+
+    def compile_deferred(self, k: int, why: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class StepK:
     """A decode step's K for its batch ``bucket``; ``fused``: the one-graph step applies (else the step-by-step
@@ -111,8 +117,6 @@ class KPolicy:
     batch_sizes: tuple[int, ...]
     #: the one-graph step is on (``EngineConfig.fused_step``): it applies to batches up to the largest bucket
     fused_step: bool = True
-    #: the graphs' warm-up, which compiles a K it deferred when the policy first picks it (bound by the runner)
-    warm: GraphWarmup | None = None
     acceptance: AcceptanceTracker = field(init=False)
     #: step costs per bucket and K (warm-up measures them, fused steps follow them) and each bucket's choice
     costs: AdaptiveK = field(init=False)
@@ -147,16 +151,17 @@ class KPolicy:
         return (self.fused_step and len(running) <= self.batch_sizes[-1]
                 and all((s.params.logprobs or 0) <= MAX_LOGPROBS for s in running))
 
-    def plan(self, running: list[Sequence]) -> StepK:
-        """The next decode step's K and bucket for ``running``; the step-by-step path always drafts K_max."""
+    def plan(self, running: list[Sequence], warm: DeferredGraphs | None) -> StepK:
+        """The next decode step's K and bucket for ``running``; the step-by-step path always drafts K_max.
+        ``warm``: the runner's warm-up, which compiles a K it deferred when the policy first picks it."""
         bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
         if not self.fused_applies(running):
             return StepK(self.k_max, bucket, fused=False)
-        assert self.warm is not None, "the runner binds its warm-up before the first step"
+        assert warm is not None, "a fused step's K is chosen against the runner's warm-up"
         to_go = max(s.max_tokens - len(s.output_ids) for s in running)
-        return StepK(self.k_for(bucket, to_go, self.warm, in_step_share(running)), bucket, fused=True)
+        return StepK(self.k_for(bucket, to_go, warm, in_step_share(running)), bucket, fused=True)
 
-    def k_for(self, bucket: int, to_go: int | None, warm: GraphWarmup, in_step: float = 1.0) -> int:
+    def k_for(self, bucket: int, to_go: int | None, warm: DeferredGraphs, in_step: float = 1.0) -> int:
         """This step's K for ``bucket``; ``to_go``: tokens the longest running request has left (None: many);
         ``in_step``: the share of its rows plain decoding would keep in step (:func:`in_step_share`). A K whose
         graphs ``warm`` deferred is compiled there (it tells why) before it is returned."""

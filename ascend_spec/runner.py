@@ -32,17 +32,19 @@ import torch
 from . import spec_decode
 from .chunks import Chunks
 from .config import EngineConfig
-from .fused_step import GREEDY, RANDOM, SpecStepGraphs, StepKey
+from .fused_step import SpecStepGraphs, StepKey
 from .graph.backends import Backend, get_backend
 from .graph.buckets import BatchArg, BucketedGraph
 from .graph.model import DeepseekV3ForCausalLM
 from .graph.steps import make_prefill_step, make_target_step
 from .graphs import GraphRegistry
-from .inputs import DeviceBatch, block_table, device_batch, drafts_fit, inert_batch, step_tokens, table_width
+from .inputs import DeviceBatch, block_table, device_batch
 from .k_policy import KPolicy
 from .kv_cache import KVCaches
 from .metrics import RunStats
-from .scheduler import Sequence, StepOutput, StepPlan, row_logprobs
+from .requests import Sequence, StepOutput, StepPlan, drafts_fit, step_tokens
+from .runner_parts import RunnerParts
+from .sampling import GREEDY, RANDOM, row_logprobs
 from .step_by_step import StepByStep
 from .sync_counter import counted_into, suspended_if_compiled
 from .torchair_proposer import MtpTorchairProposer
@@ -116,14 +118,17 @@ class ModelRunner:
         self._batch: DeviceBatch | None = None
         #: when the last fused step ended (None: none yet in this run, or a step-by-step one came between)
         self._last_step_end: float | None = None
-        #: which graphs are warm, and the warm-ups that compile (or load) more of them
-        self.warm = GraphWarmup(self)
-        k_policy.warm = self.warm  # the K policy compiles a K warm-up deferred when it first picks it
+        #: what the rooms below share (prefill, step by step, warm-up): they take these, not the runner
+        self.parts = RunnerParts(cfg, device, self.backend, caches, self.batch_sizes, self.graphs, self.target_graph,
+                                 self.prefill_graph, self.prefill_eager, self.proposer, self.spec_graphs,
+                                 model.cfg.vocab_size, model.takes_host_lengths, count_host_syncs)
+        #: which graphs are warm, and the warm-ups that compile (or load) more of them; the scheduler hands it to
+        #: the K policy, which compiles a K warm-up deferred when it first picks it
+        self.warm = GraphWarmup(self.parts, k_policy.costs, self.drop_batch)
         #: K values warm-up had deferred after the last fused step (one fewer: a compile ran since)
         self._deferred_left = len(self.warm.deferred)
-        self.step_by_step = StepByStep(self)
-        self.chunks = Chunks(self)
-        self._unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = {}
+        self.step_by_step = StepByStep(self.parts)
+        self.chunks = Chunks(self.parts, self.warm)
 
     @property
     def step_seconds(self) -> dict[int, dict[int, float]]:
@@ -137,24 +142,16 @@ class ModelRunner:
 
     def width_for(self, longest_tokens: int) -> int:
         """Block-table columns a step reaching ``longest_tokens`` passes (``inputs.table_width``)."""
-        return table_width(min(longest_tokens, self.cfg.max_model_len), self.max_blocks, self.caches.block_size,
-                           self.shapes.trim_context)
+        return self.parts.width_for(longest_tokens)
 
     def bucket_for(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""
         return self.k_policy.bucket_for(batch)
 
     def rows_for(self, batch: int) -> int | None:
-        """Graph rows for ``batch`` requests, at any K. A lone request runs unpadded, a graph of its own on
-        dynamic-batch backends (a size-1 dimension specialises a compile; warmed with the others where 1 is a
-        bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
-        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its one-
-        and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
-        ``min_batch``, and so does a lone request where warm-up left its graphs out (``warm_graphs: first`` and a
-        first batch of several: a draining queue's last request)."""
-        if batch == 1 and self.shapes.dynamic_batch and 1 in self.batch_sizes and self.warm.lone:
-            return 1
-        return self.target_graph.bucket_for(batch)
+        """Graph rows for ``batch`` requests, at any K (:meth:`.warmup.GraphWarmup.rows_for`: a lone request's
+        graphs may be warm or not)."""
+        return self.warm.rows_for(batch)
 
     # -- warm-up (which graphs, when: .warmup) -------------------------------------------------------
     def drop_batch(self) -> None:
@@ -162,7 +159,7 @@ class ModelRunner:
         self._batch = None
 
     def inert_batch(self, rows: int, k: int) -> DeviceBatch:
-        return inert_batch(rows, k, self.max_blocks, self.device)
+        return self.parts.inert_batch(rows, k)
 
     # -- prefill ---------------------------------------------------------------------------------
     def prefill(self, seqs: list[Sequence], generator: torch.Generator | None) -> StepOutput:
@@ -200,33 +197,18 @@ class ModelRunner:
 
     # -- fused path: one graph per step over device-side state ------------------------------------
     def replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None
-                ) -> tuple[torch.Tensor, ...]:
-        key, args = self._replay_args(batch, width, noise, [])
-        with suspended_if_compiled(self.backend):
-            return self.spec_graphs(key, *args)
+               ) -> tuple[torch.Tensor, ...]:
+        return self.parts.replay(batch, width, noise)
 
     def _replay_args(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None,
                      running: list[Sequence]) -> tuple[StepKey, tuple]:
-        """The fused step's arguments for ``batch``, whose live rows are ``running`` (none: an inert batch)."""
-        st = batch.sampling
-        if noise is None:  # greedy: the graph takes noise inputs it does not read; one placeholder per shape
-            noise = self._unused_noise.get((batch.rows, batch.k))
-            if noise is None:
-                noise = self._unused_noise[(batch.rows, batch.k)] = spec_decode.RejectionNoise(
-                    torch.zeros(batch.rows, batch.k, device=self.device),
-                    torch.ones(batch.rows, self.model.cfg.vocab_size, device=self.device))
-        key = self.spec_graphs.key(batch.rows, batch.k, batch.mode, batch.logprobs)
-        # where each verify block ends, past max_model_len too (its tokens there are inert): see PagedInputs
-        lens_host = self.host_lengths(running[i].num_tokens + batch.k if i < len(running) else 0
-                                       for i in range(batch.rows))
-        # contiguous: a narrower view of the table would make the graph guard on its strides
-        return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
-                     batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
-                     self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
+        """The fused step's arguments for ``batch``, whose live rows are ``running``
+        (:meth:`.runner_parts.RunnerParts.replay_args`)."""
+        return self.parts.replay_args(batch, width, noise, running)
 
     def host_lengths(self, lengths: Iterable[int]) -> tuple[int, ...] | None:
         """KV lengths as host ints for attention that reads them (``model.takes_host_lengths``), else None."""
-        return tuple(lengths) if self.model.takes_host_lengths else None
+        return self.parts.host_lengths(lengths)
 
     def _step_fused(self, plan: StepPlan, generator: torch.Generator | None, stats: RunStats) -> StepOutput:
         t0 = time.perf_counter()
@@ -304,7 +286,7 @@ class ModelRunner:
             batch.num_draft = torch.full_like(batch.num_draft, k)
             batch.num_draft_host = [k] * b
         tokens = [row[: row[-1]] for row in out_h]
-        logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
+        logprobs = row_logprobs([s.params.logprobs for s in running], tokens, lp_h) if lp_h is not None else None
         stats.steps_per_k[k] = stats.steps_per_k.get(k, 0) + 1
         end = self._last_step_end = time.perf_counter()
         self._deferred_left = len(self.warm.deferred)

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters and sync-free batched sampling.
+"""Per-request sampling parameters, sync-free batched sampling, the sampling modes graphs are keyed by, and the
+top logprobs a step reports (on device, then per row on the host).
 
 ``SamplingParams`` is the user-facing, validated host object. ``SamplingTensors`` is its batched device form, built once
 per batch (that may touch the host); everything that consumes it runs without host syncs, so it can sit inside a
@@ -14,6 +15,11 @@ import torch
 
 # Temperatures below this are clamped: dividing by a denormal would overflow logits to inf and softmax to NaN.
 _MIN_TEMPERATURE = 1e-5
+
+#: the sampling modes a compiled step is keyed by: every row greedy, or some rows sampled
+GREEDY, RANDOM = "greedy", "random"
+#: top logprobs a logprobs graph returns per token (vLLM's default ``max_logprobs``); requests take their N of them
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +167,27 @@ def sample(logits: torch.Tensor, st: SamplingTensors, generator: torch.Generator
         return greedy_ids
     sampled = sample_from_probs(logits_to_probs(logits, st), generator)
     return torch.where(_per_row(st.greedy, logits.dim() - 1), greedy_ids, sampled)
+
+
+def top_logprobs(logits: torch.Tensor, sampled: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """logits [B, Q, V], sampled [B, Q] (−1 placeholders allowed) → (top ids, top logprobs [B, Q, n],
+    sampled token's logprob [B, Q]); raw log-softmax of the target's logits, as vLLM's default reports."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[..., :0], sampled.new_zeros(*sampled.shape, 0))
+    return top_ids, top_lp, lp.gather(-1, sampled.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
+    """One token's entry: its ``n`` top logprobs and the sampled ``token``'s own."""
+    entry = dict(zip(top_ids[:n], top_lp[:n]))
+    entry[token] = tok_lp
+    return entry
+
+
+def row_logprobs(asked: list[int | None], tokens: list[list[int]], lp_h: list[list]) -> list:
+    """Per row, one entry per accepted token for the rows that asked (``asked[i]``: row ``i``'s logprobs, None for
+    the others, whose entry is None); ``lp_h``: the host copies of :func:`top_logprobs`' (ids, logprobs, sampled
+    token's logprob)."""
+    ids, lps, tok = lp_h
+    return [[logprob_entries(ids[i][j], lps[i][j], tok[i][j], t, n) for j, t in enumerate(tokens[i])]
+            if n is not None else None for i, n in enumerate(asked)]

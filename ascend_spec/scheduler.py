@@ -10,36 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .inputs import step_tokens
+from .k_policy import DeferredGraphs, KPolicy
 from .kv_cache import BlockManager
-from .sampling import SamplingParams
+from .metrics import SpecMetrics
+from .requests import Sequence, StepOutput, StepPlan, step_tokens
 
-if TYPE_CHECKING:
-    from .k_policy import KPolicy
-    from .metrics import SpecMetrics
-
-
-@dataclass
-class Sequence:
-    req_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)
-    draft_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def last_token(self) -> int:
-        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+__all__ = ["ScheduleResult", "Scheduler", "Sequence", "StepOutput", "StepPlan"]
 
 
 @dataclass
@@ -49,55 +26,15 @@ class ScheduleResult:
     preempted: list[Sequence] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """One turn of the engine's loop: prefill ``admitted`` (they run from the next turn), or a decode step of
-    ``running`` at K = ``k`` for batch ``bucket`` (``fused``: the one-graph step); neither when nothing can run.
-    ``preempted``: the requests making room for this step sent back to the queue."""
-
-    admitted: list[Sequence] = field(default_factory=list)
-    running: list[Sequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    k: int = 0
-    bucket: int = 0
-    fused: bool = False
-
-
-@dataclass
-class StepOutput:
-    """What a turn gave its requests, in order: a decode step's tokens for the running ones, or a prefill's first
-    token (and the drafts for the first step) for the admitted ones."""
-
-    tokens: list[list[int]]  # accepted tokens of each row (1 .. 1+K; a prefill's: 1)
-    num_draft: list[int]  # drafts verified in each row
-    k: int
-    #: per row, one {token_id: logprob} per token in ``tokens`` (rows that asked for logprobs), else None
-    logprobs: list[list[dict[int, float]] | None] | None = None
-    #: a prefill's and the step-by-step path's: each row's next drafts (the fused path keeps them on device)
-    drafts: list[list[int]] | None = None
-
-
-def logprob_entries(top_ids: list, top_lp: list, tok_lp: float, token: int, n: int) -> dict[int, float]:
-    entry = dict(zip(top_ids[:n], top_lp[:n]))
-    entry[token] = tok_lp
-    return entry
-
-
-def row_logprobs(running: list[Sequence], tokens: list[list[int]], lp_h: list[list]) -> list:
-    """Per row, one entry per accepted token for the requests that asked (None for the others); ``lp_h``: the
-    host copies of ``top_logprobs``' (ids, logprobs, sampled token's logprob)."""
-    ids, lps, tok = lp_h
-    return [[logprob_entries(ids[i][j], lps[i][j], tok[i][j], t, s.params.logprobs) for j, t in enumerate(tokens[i])]
-            if s.params.logprobs is not None else None for i, s in enumerate(running)]
-
-
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_model_len: int, max_num_seqs: int, k_policy: KPolicy,
-                 eos_token_id: int | None) -> None:
+                 eos_token_id: int | None, warm: DeferredGraphs | None = None) -> None:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.k_policy = k_policy
+        #: the graphs warm-up deferred, which the K policy compiles when it first picks their K (the runner's)
+        self.warm = warm
         self.k_max = k_policy.k_max
         self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
@@ -116,7 +53,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def step_tokens(self, seq: Sequence, k: int | None = None) -> int:
-        """Cache room one step at K = ``k`` (default K_max) needs (:func:`.inputs.step_tokens`)."""
+        """Cache room one step at K = ``k`` (default K_max) needs (:func:`.requests.step_tokens`)."""
         return step_tokens(seq.num_tokens, self.k_max if k is None else k)
 
     def schedule(self, arrived: int) -> StepPlan:
@@ -131,7 +68,7 @@ class Scheduler:
         self._prefilled = False
         if not self.running:
             return StepPlan()
-        step = self.k_policy.plan(self.running)
+        step = self.k_policy.plan(self.running, self.warm)
         preempted = self.make_room(step.k).preempted
         return StepPlan(running=list(self.running), preempted=preempted, k=step.k, bucket=step.bucket,
                         fused=step.fused)

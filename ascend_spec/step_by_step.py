@@ -7,27 +7,21 @@ fused batch left on device come to the host once as it leaves (:meth:`StepByStep
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from . import spec_decode
-from .fused_step import top_logprobs
-from .inputs import drafts_fit, step_tokens, verify_inputs
+from .inputs import DeviceBatch, verify_inputs
+from .metrics import RunStats
 from .proposer import DraftInputs
-from .sampling import SamplingTensors, sample
-from .scheduler import Sequence, StepOutput, row_logprobs
+from .requests import Sequence, StepOutput, drafts_fit, step_tokens
+from .runner_parts import RunnerParts
+from .sampling import SamplingTensors, row_logprobs, sample, top_logprobs
 from .sync_counter import counted_into, suspended_if_compiled
-
-if TYPE_CHECKING:
-    from .inputs import DeviceBatch
-    from .metrics import RunStats
-    from .runner import ModelRunner
 
 
 class StepByStep:
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, parts: RunnerParts) -> None:
+        self.parts = parts
         #: each request's next drafts, where the last step that drafted them was fused (kept on device there)
         self.pending_drafts: dict[int, list[int]] = {}
 
@@ -41,7 +35,7 @@ class StepByStep:
                                zip(batch.req_ids, batch.input_ids[: len(batch.req_ids)].tolist())}
 
     def step(self, running: list[Sequence], generator: torch.Generator | None, stats: RunStats) -> StepOutput:
-        r = self.runner
+        r = self.parts
         for seq in running:
             if seq.req_id in self.pending_drafts:
                 seq.draft_ids = self.pending_drafts.pop(seq.req_id)
@@ -55,7 +49,7 @@ class StepByStep:
         num_draft = [drafts_fit(s.num_tokens, k_max, max_len) for s in running]
         num_draft_t = torch.tensor(num_draft, dtype=torch.long, device=dev)
         b = len(running)
-        lens_host = r.host_lengths(s.num_tokens - 1 + q for s in running)  # see ModelRunner._replay_args
+        lens_host = r.host_lengths(s.num_tokens - 1 + q for s in running)  # see RunnerParts.replay_args
         st = SamplingTensors.from_params([s.params for s in running], dev)
 
         with torch.no_grad(), counted_into(stats, r.count_host_syncs):
@@ -83,13 +77,13 @@ class StepByStep:
             sampled_h, valid_h = sampled.tolist(), valid.tolist()
             drafts_h = drafts.tolist() if drafts is not None else None
         tokens = [sampled_h[i][: valid_h[i]] for i in range(b)]
-        logprobs = row_logprobs(running, tokens, lp_h) if lp_h is not None else None
+        logprobs = row_logprobs([s.params.logprobs for s in running], tokens, lp_h) if lp_h is not None else None
         return StepOutput(tokens, num_draft, k_max, logprobs, drafts_h)
 
     def _draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor, seq_lens: torch.Tensor, next_ids: torch.Tensor, valid: torch.Tensor,
                lens_host: tuple[int, ...] | None) -> torch.Tensor:
-        proposer, spec = self.runner.proposer, self.runner.spec
+        proposer, spec = self.parts.proposer, self.parts.spec
         assert proposer is not None and spec is not None
         sample_idx = spec_decode.sample_indices_in_padded_rows(valid)
         if spec.disable_padded_drafter_batch:  # rejected tokens dropped, on device at the same width

@@ -1,7 +1,8 @@
 """Warm-up: which compiled graphs a run needs before its first step, which it defers, and their step costs.
 
-The runner replays graphs; this module decides which to compile (or load) and when, as one plan of
-:class:`~.graph.buckets.WarmStep` that the runner's :class:`~.graphs.GraphRegistry` runs. ``warm_graphs: all`` compiles
+The runner replays graphs; this module (given the runner's parts, :class:`.runner_parts.RunnerParts`) decides
+which to compile (or load) and when, as one plan of :class:`~.graph.buckets.WarmStep` that the runner's
+:class:`~.graphs.GraphRegistry` runs. ``warm_graphs: all`` compiles
 every graph up front; ``first`` (the default) compiles what the first steps run: the fused step at K_max for the
 batch shapes a run starts with, the prompt graphs only for runs of many prompts, and the other K values of adaptive
 K when the policy first picks one (:meth:`GraphWarmup.compile_deferred`). Adaptive K's step costs per bucket and K
@@ -14,16 +15,15 @@ import functools
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 
-from .adaptive import WARMUP_COST_CONTEXT, interpolated_costs
-from .fused_step import GREEDY, time_call
+from .adaptive import WARMUP_COST_CONTEXT, AdaptiveK, interpolated_costs
 from .graph.buckets import WarmStep, warm_widths
-
-if TYPE_CHECKING:
-    from .runner import ModelRunner
+from .runner_parts import RunnerParts
+from .sampling import GREEDY
+from .timing import time_call
 
 #: ``warm_graphs: first`` compiles the prompt graph and the prompts' draft chain only for a run of this many
 #: prompts: they save about 8 ms a prompt (bundled model, a lone 20-token prompt: 23 ms eagerly, 15 ms as a graph),
@@ -52,15 +52,18 @@ class WarmupReport:
 class GraphWarmup:
     """What is warm of one runner's graphs, and the warm-ups that make more of them so."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.cfg = runner.cfg
-        self.k_max = runner.k_max
-        self.shapes = runner.shapes
-        self.device = runner.device
-        self.max_blocks = runner.max_blocks
-        self.adaptive = runner.k_policy.costs
-        first = self.cfg.warm_graphs == "first" and runner.backend.name != "eager"
+    def __init__(self, parts: RunnerParts, costs: AdaptiveK, drop_batch: Callable[[], None]) -> None:
+        """``costs``: the K policy's step costs, which warm-up measures; ``drop_batch``: tells the runner that
+        warm-up replayed inert batches through its graphs (its next fused step builds its device batch anew)."""
+        self.parts = parts
+        self.cfg = parts.cfg
+        self.k_max = parts.k_max
+        self.shapes = parts.shapes
+        self.device = parts.device
+        self.max_blocks = parts.max_blocks
+        self.adaptive = costs
+        self._drop_batch = drop_batch
+        first = self.cfg.warm_graphs == "first" and parts.backend.name != "eager"
         defers = first and self.cfg.adaptive_k and self.cfg.fused_step
         #: fused-step K values whose graphs warm-up leaves for their first use (``warm_graphs: first``)
         self.deferred: set[int] = set(range(self.k_max)) if defers else set()
@@ -94,7 +97,7 @@ class GraphWarmup:
                 f"{'_logprobs' if logprobs else ''}" if self.cfg.fused_step else f"step_by_step_k{self.k_max}")
         prompts_too = self.prompts_unwarmed(prompts)
         if prompts_too:  # once per engine: prompts are prompts whatever the sampling modes
-            what += "_prefill_q" + "-".join(map(str, self.runner.prefill_graph.query_widths))
+            what += "_prefill_q" + "-".join(map(str, self.parts.prefill_graph.query_widths))
         if self.cfg.fused_step:
             self.modes += [(m, logprobs) for m in modes if (m, logprobs) not in self.modes]
             lone, batched = lone or self.lone, batched or self.batched  # what earlier warm-ups warmed, for new modes
@@ -104,13 +107,13 @@ class GraphWarmup:
             plan = self._step_by_step_steps()
         if prompts_too:
             plan += self._prompt_steps()
-        seconds, wall, hit = self.runner.graphs.warm(plan, progress, what)
+        seconds, wall, hit = self.parts.graphs.warm(plan, progress, what)
         report = WarmupReport(len(plan), wall, seconds, hit)
         if self.cfg.fused_step:
             self.lone, self.batched = lone, batched
             if self.cfg.adaptive_k and len(ks) > 1 and fused:  # one K alone has nothing to be weighed against yet
                 self._time_steps(ks)
-            self.runner.drop_batch()
+            self._drop_batch()
         if prompts_too:
             self.prompts_warm = True
         if progress and report.graphs_compiled:
@@ -118,14 +121,26 @@ class GraphWarmup:
             later = (f"; K = {', '.join(map(str, sorted(self.deferred)))} when adaptive K first needs it"
                      if self.deferred else "")
             print(f"ascend-spec: {report.graphs_compiled} graph(s) ready in {report.compile_seconds:.1f} s "
-                  f"({self.runner.backend.name}, attention '{self.runner.backend.attention_kernel}'{cache}){later}",
+                  f"({self.parts.backend.name}, attention '{self.parts.backend.attention_kernel}'{cache}){later}",
                   file=sys.stderr)
         return report
+
+    def rows_for(self, batch: int) -> int | None:
+        """Graph rows for ``batch`` requests, at any K. A lone request runs unpadded, a graph of its own on
+        dynamic-batch backends (a size-1 dimension specialises a compile; warmed with the others where 1 is a
+        bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
+        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its one-
+        and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
+        ``min_batch``, and so does a lone request where warm-up left its graphs out (``warm_graphs: first`` and a
+        first batch of several: a draining queue's last request)."""
+        if batch == 1 and self.shapes.dynamic_batch and 1 in self.parts.batch_sizes and self.lone:
+            return 1
+        return self.parts.target_graph.bucket_for(batch)
 
     def prompts_unwarmed(self, prompts: int | None) -> bool:
         """A warm-up for a run of ``prompts`` prompts (None: unknown) compiles the prompt graphs, not yet warm."""
         wanted = self.cfg.warm_graphs == "all" or prompts is None or prompts >= PROMPT_GRAPHS_FROM
-        return self.runner.prefill_graph is not None and not self.prompts_warm and wanted
+        return self.parts.prefill_graph is not None and not self.prompts_warm and wanted
 
     def _warm_ks(self) -> list[int]:
         """The K values warm-up compiles: K_max (fixed K, or adaptive K while it learns acceptance) and, adaptive,
@@ -138,8 +153,8 @@ class GraphWarmup:
     def _fused_plan(self, ks: list[int], lone: bool, batched: bool) -> list[tuple[int, int, str, bool]]:
         """(rows, K, mode, logprobs) of the fused graphs not yet warm: one row count per compiled graph (or CUDA
         graph capture), largest first, then the lone-request graphs, for every mode warmed so far."""
-        sizes = self.runner.target_graph.warm_sizes() if batched else []
-        if lone and self.shapes.dynamic_batch and 1 in self.runner.batch_sizes and 1 not in sizes:
+        sizes = self.parts.target_graph.warm_sizes() if batched else []
+        if lone and self.shapes.dynamic_batch and 1 in self.parts.batch_sizes and 1 not in sizes:
             sizes = [*sizes, 1]
         plan = [(r, k, mode, lp) for r in sizes for k in ks for mode, lp in self.modes]
         return [g for g in plan if g not in self.fused_warm]
@@ -158,14 +173,14 @@ class GraphWarmup:
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else [self.max_blocks]
 
         def replay(rows: int, k: int, mode: str, logprobs: bool) -> None:
-            batch = dataclasses.replace(self.runner.inert_batch(rows, k), mode=mode, logprobs=logprobs)
+            batch = dataclasses.replace(self.parts.inert_batch(rows, k), mode=mode, logprobs=logprobs)
             for width in widths:
-                self.runner.replay(batch, width, None)
+                self.parts.replay(batch, width)
             self.fused_warm.add((rows, k, mode, logprobs))
 
         steps = []
         for rows, k, mode, logprobs in plan:
-            key = self.runner.spec_graphs.key(rows, k, mode, logprobs)
+            key = self.parts.spec_graphs.key(rows, k, mode, logprobs)
             # a dynamic-batch key's lone-request graph is its one-row specialisation
             tag = key.tag + ("_rows1" if rows == 1 and key.batch is None else "")
             steps.append(WarmStep(tag, functools.partial(replay, rows, k, mode, logprobs), self._why(rows, k)))
@@ -175,7 +190,7 @@ class GraphWarmup:
         """Warm-up steps of the prompt graph(s) and of the draft chain the prompts' drafts replay: one
         dynamic-query graph each replayed at a short and the widest width, or one per bucket and width where
         graphs replay one shape."""
-        graph = self.runner.prefill_graph
+        graph = self.parts.prefill_graph
         assert graph is not None
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
         # first call: rows (2), query (5) and table width (3) distinct, so Dynamo gives each its own symbol
@@ -186,17 +201,17 @@ class GraphWarmup:
         per_row = torch.zeros(rows, dtype=torch.long, device=dev)
         table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=dev)
         example = [z, z.clone(), torch.full_like(z, -1), table, per_row, per_row.clone()]
-        steps = graph.warm_steps(example, (self.runner.caches.target,), widths=widths, queries=queries,
+        steps = graph.warm_steps(example, (self.parts.caches.target,), widths=widths, queries=queries,
                                  why="prompts")
-        if self.runner.proposer is not None and self.cfg.fused_step:  # the prompts' drafts (step by step warmed it)
-            steps += self.runner.proposer.warm_steps(why="the prompts' drafts")
+        if self.parts.proposer is not None and self.cfg.fused_step:  # the prompts' drafts (step by step warmed it)
+            steps += self.parts.proposer.warm_steps(why="the prompts' drafts")
         return steps
 
     def _time_steps(self, ks: list[int], rounds: int = 5) -> None:
         """Step cost per bucket of each K in ``ks`` for adaptive K: medians of ``rounds`` rounds, the K values
         interleaved in each so machine noise weighs on all of them alike; deferred K values interpolated."""
         # the buckets whose graphs are warm (``warm_graphs: first`` may have left the batch or lone-request ones out)
-        warm = [b for b in self.runner.batch_sizes if (self.lone if self.runner.rows_for(b) == 1 else self.batched)]
+        warm = [b for b in self.parts.batch_sizes if (self.lone if self.rows_for(b) == 1 else self.batched)]
         for bucket in warm:
             self.adaptive.step_seconds[bucket] = self._median_step_times(bucket, ks, rounds)
         self._interpolate_deferred()
@@ -226,7 +241,7 @@ class GraphWarmup:
         compiles = dynamo_compile_count()
         if self.progress:
             print(f"ascend-spec: compiling the K = {k} step ({why}) ...", file=sys.stderr, flush=True)
-        self.runner.graphs.warm(self._fused_steps(self._fused_plan([k], self.lone, self.batched)), progress=False)
+        self.parts.graphs.warm(self._fused_steps(self._fused_plan([k], self.lone, self.batched)), progress=False)
         with torch.no_grad():
             self.deferred.discard(k)
             if self.cfg.adaptive_k and not self.adaptive.step_seconds:
@@ -245,21 +260,21 @@ class GraphWarmup:
     def _step_by_step_steps(self) -> list[WarmStep]:
         """Warm-up steps of the step-by-step path: the target step (the verify) and the draft chain."""
         widths = warm_widths(self.max_blocks) if self.shapes.trim_context else None
-        ex = self._inert_target_inputs(self.runner.target_graph.max_size, 1 + self.k_max, self.max_blocks)
-        steps = self.runner.target_graph.warm_steps(ex, (self.runner.caches.target,), widths=widths,
+        ex = self._inert_target_inputs(self.parts.target_graph.max_size, 1 + self.k_max, self.max_blocks)
+        steps = self.parts.target_graph.warm_steps(ex, (self.parts.caches.target,), widths=widths,
                                                     why="the verify")
-        if self.runner.proposer is not None:
-            steps += self.runner.proposer.warm_steps()
+        if self.parts.proposer is not None:
+            steps += self.parts.proposer.warm_steps()
         return steps
 
     def time_step(self, bucket: int, k: int, context: int = 256, repeats: int = 5) -> float:
         """Median seconds of one fused greedy step (``bucket`` rows, K, ``context`` tokens of block table) on an
         inert batch; shapes, not data, set its cost."""
-        rows = self.runner.rows_for(bucket) or bucket
-        batch = self.runner.inert_batch(rows, k)
-        width = self.runner.width_for(context)
+        rows = self.rows_for(bucket) or bucket
+        batch = self.parts.inert_batch(rows, k)
+        width = self.parts.width_for(context)
         with torch.no_grad():
-            return time_call(lambda: self.runner.replay(batch, width, None), repeats=repeats, device=self.device)
+            return time_call(lambda: self.parts.replay(batch, width), repeats=repeats, device=self.device)
 
     def _inert_target_inputs(self, b: int, q: int, width: int) -> list[torch.Tensor]:
         dev = self.device

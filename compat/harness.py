@@ -340,7 +340,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
         result["startup_seconds"] = time.perf_counter() - t0
         result["runner"] = _engine_runner(llm)
         if cfg.get("fail_draft_graph_calls"):
-            from ascend_spec.fault_injection import inject_graph_faults
+            from ascend_spec_tools.fault_injection import inject_graph_faults
 
             for d in (r() for r in drafter_mod.LIVE[n_live:]):
                 if d is not None and d._ascend is not None:

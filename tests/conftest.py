@@ -88,7 +88,7 @@ def moe_ckpts(tmp_path_factory):
 
     The random presets, plus ``bundled-moe`` (the bundled trained model made MoE + YaRN: drafts get accepted).
     """
-    from ascend_spec.tiny_models import PRESETS, moe_from_bundled, write_checkpoint
+    from ascend_spec_tools.tiny_models import PRESETS, moe_from_bundled, write_checkpoint
 
     root = tmp_path_factory.mktemp("tiny_moe")
     return {**{name: write_checkpoint(root / name, name) for name in PRESETS},

@@ -1,4 +1,4 @@
-"""The acceptance gate (``ascend_spec.upgrade.acceptance``): its verdicts, its golden file, and that it catches a
+"""The acceptance gate (``ascend_spec_tools.upgrade.acceptance``): its verdicts, its golden file, and that it catches a
 broken drafter in vLLM's real engine.
 
 The comparison tests feed the gate counts shaped like vLLM's spec-decode metrics; the ``vllm`` test runs the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec.upgrade import acceptance as gate
+from ascend_spec_tools.upgrade import acceptance as gate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_golden_for_another_checkpoint_says_how_to_re_record(tmp_path):
 def test_gate_catches_a_drafter_reading_at_the_optimistic_length(tmp_path):
     out = tmp_path / "gate.json"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-m", "ascend_spec.upgrade.acceptance", "check", "--k", "1",
+    proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.upgrade.acceptance", "check", "--k", "1",
                            "--inject-bug", "next_token_at_optimistic_length", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert out.is_file(), proc.stderr[-3000:]

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from ascend_spec.graph.checkpoint import INDEX_FILE, dequantize_fp8_block, quantize_fp8_block
 from ascend_spec.graph.config import ConfigError
 from ascend_spec.graph.weights import WeightLoadError, load_model, mtp_parameter
-from ascend_spec.tiny_models import write_checkpoint
+from ascend_spec_tools.tiny_models import write_checkpoint
 
 PRESET = "moe-e16-k4"
 

@@ -562,10 +562,10 @@ def test_rows_of_different_budgets_are_apart_anyway_and_drafting_costs_them_noth
     assert choose_k(costs, acceptance, current=1, bucket=8, in_step=0.0) == 2
     shares = []
     policy = KPolicy(2, adaptive=True, batch_sizes=(4,))
-    policy.warm = _NothingDeferred()
     policy.k_for = lambda bucket, to_go, warm, in_step=1.0: shares.append(in_step) or 1
     for budgets in ((128,) * 4, (70, 128, 151, 190)):
-        policy.plan([SimpleNamespace(max_tokens=b, output_ids=[], params=SamplingParams()) for b in budgets])
+        policy.plan([SimpleNamespace(max_tokens=b, output_ids=[], params=SamplingParams()) for b in budgets],
+                    _NothingDeferred())
     assert shares == [1.0, 0.0]
 
 
@@ -856,10 +856,10 @@ def _scripted_k(eng, k_of_step) -> dict:
     policy, runner, seen, count = eng.k_policy, eng.runner, {}, [0]
     plan, run = policy.plan, runner.run
 
-    def scripted_plan(running):
+    def scripted_plan(running, warm):
         policy.force_k = k_of_step(count[0])
         count[0] += 1
-        return plan(running)
+        return plan(running, warm)
 
     def seen_run(step_plan, *args):
         if step_plan.running:

@@ -16,7 +16,7 @@ import torch
 from ascend_spec.config import GRAPH_FAILURE_POLICIES as config_policies
 from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
-from ascend_spec.fault_injection import InjectedFault, inject_graph_faults
+from ascend_spec_tools.fault_injection import InjectedFault, inject_graph_faults
 from ascend_spec.graph.backends import get_backend
 from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV, GRAPH_FAILURE_POLICIES
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph

@@ -201,7 +201,7 @@ def test_step_timing_waits_for_the_device(monkeypatch):
     wait for the device after every call, or every K costs its launch (on an H100 a K = 2 step then looked as cheap as
     a K = 0 one and adaptive K drafted where plain decoding was 1.3x faster). Checked without a GPU on the timer's
     waits: one after each call, on the device it was given; none on CPU."""
-    from ascend_spec.fused_step import time_call
+    from ascend_spec.timing import time_call
 
     waits = []
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: waits.append(device))
@@ -220,7 +220,7 @@ def test_step_timing_counts_the_device_work_on_cuda():
     """The timer on a real GPU: a kernel that spins the device for 40M cycles, at least 20 ms at the fastest clock
     of today's GPUs (H100/H200 boost: 1.98 GHz), is queued in microseconds. (Compared with CUDA events around one
     spin instead, it failed on a GPU fresh from idle: the first spin ran at the idle clock.)"""
-    from ascend_spec.fused_step import time_call
+    from ascend_spec.timing import time_call
 
     spin = lambda: torch.cuda._sleep(40_000_000)  # noqa: E731 - cycles
     assert time_call(spin, repeats=3, device=torch.device("cuda")) >= 0.01

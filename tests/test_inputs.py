@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ascend_spec.graph.latent_cache import slots_for
-from ascend_spec.inputs import block_row, drafts_fit, pack_chunks, pad_ragged, slots_of, step_tokens, table_width
+from ascend_spec.inputs import block_row, pack_chunks, pad_ragged, slots_of, table_width
+from ascend_spec.requests import Sequence, drafts_fit, step_tokens
 from ascend_spec.sampling import SamplingParams
-from ascend_spec.scheduler import Sequence
 
 
 def _seq(num_tokens: int, block_size: int, rng: random.Random) -> Sequence:

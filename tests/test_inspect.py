@@ -11,7 +11,7 @@ from ascend_spec.graph.config import ConfigError
 from ascend_spec.graph.weights import load_model
 from ascend_spec.model_info import add_inspect_parser, cmd_inspect, format_report, inspect_model
 from ascend_spec.models import BUNDLED_MODEL_DIR
-from ascend_spec.tiny_models import write_checkpoint
+from ascend_spec_tools.tiny_models import write_checkpoint
 
 DSV3_CONFIG = Path(__file__).parent / "data" / "deepseek-v3-config.json"
 

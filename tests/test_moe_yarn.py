@@ -9,7 +9,7 @@ from ascend_spec.graph.layers import RotaryEmbedding
 from ascend_spec.graph.moe import MoE, grouped_topk, routed_experts
 from ascend_spec.graph.steps import make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
-from ascend_spec.tiny_models import PRESETS
+from ascend_spec_tools.tiny_models import PRESETS
 
 ROUTING = [  # (E, top-k, n_group, topk_group)
     (16, 4, 4, 2), (64, 8, 8, 3), (8, 2, 1, 1), (8, 1, 2, 1), (32, 6, 4, 4),

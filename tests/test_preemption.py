@@ -9,7 +9,8 @@ from ascend_spec.engine import load_engine
 from ascend_spec.k_policy import KPolicy
 from ascend_spec.graph.latent_cache import num_blocks_for
 from ascend_spec.kv_cache import BlockAllocator, BlockManager
-from ascend_spec.scheduler import Scheduler, Sequence, StepOutput
+from ascend_spec.requests import Sequence, StepOutput
+from ascend_spec.scheduler import Scheduler
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -90,8 +91,8 @@ def test_schedule_plans_a_prefill_then_a_decode_step_with_room_for_the_policys_k
     the runner gives back goes in through ``postprocess``."""
     manager = BlockManager(BlockAllocator(4), max_model_len=64, block_size=16)  # 3 usable blocks
     policy = KPolicy(3, True, (1, 2, 4), fused_step=True, force_k=force_k)
-    policy.warm = SimpleNamespace(deferred=set())  # every K warm: nothing to compile
-    sched = Scheduler(manager, 64, 4, policy, None)
+    warm = SimpleNamespace(deferred=set())  # every K warm: nothing to compile
+    sched = Scheduler(manager, 64, 4, policy, None, warm=warm)
     seqs = [Sequence(i, list(range(10)), SamplingParams(), 8) for i in range(2)]
     sched.add(seqs, [0, 0])
     prefill = sched.schedule(0)  # each takes a block: its prompt and a first step at K_max (16 positions)

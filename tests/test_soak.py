@@ -20,9 +20,8 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import load_engine
-from ascend_spec.fused_step import GREEDY, RANDOM
 from ascend_spec.graph.latent_cache import num_blocks_for
-from ascend_spec.sampling import SamplingParams
+from ascend_spec.sampling import GREEDY, RANDOM, SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 BUCKETS = (1, 2, 4, 8)

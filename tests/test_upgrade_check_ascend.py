@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec.upgrade.ascend_source import AscendSources, extract_scope, tag_for
-from ascend_spec.upgrade.cli import main
-from ascend_spec.upgrade.common import CheckError, M
+from ascend_spec_tools.upgrade.ascend_source import AscendSources, extract_scope, tag_for
+from ascend_spec_tools.upgrade.cli import main
+from ascend_spec_tools.upgrade.common import CheckError, M
 
 DATA = Path(__file__).resolve().parent / "data" / "vllm_ascend"
 BASE = ["--package", "vllm-ascend", "--json", "--quiet"]

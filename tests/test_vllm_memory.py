@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ascend_spec.graph.config import ModelConfig
-from ascend_spec.tiny_models import write_checkpoint
+from ascend_spec_tools.tiny_models import write_checkpoint
 
 pytestmark = [
     pytest.mark.vllm,

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ascend_spec.tiny_models import W8A8_QMAX, w8a8_from
+from ascend_spec_tools.tiny_models import W8A8_QMAX, w8a8_from
 
 from .conftest import TIE_BY_DTYPE, assert_moe_counters_close, npu_available, run_harness, vllm_cpu_dtype
 from .test_vllm_moe import GRAPH, RUN, assert_same_or_tie, ok
@@ -101,7 +101,7 @@ def test_ours_drafts_on_vllm_quantised_layers(w8a8_ckpt, tmp_path):
                     reason="block-fp8 (DeepSeek-V3's format) runs in vLLM on CUDA; CPUs without AMX lack its kernels")
 def test_block_fp8_moe_drafts_on_vllm_layers(tmp_path):
     """DeepSeek-V3's block-fp8 (128×128 weight_scale_inv, experts quantised too): ours == vLLM's drafter."""
-    from ascend_spec.tiny_models import write_checkpoint
+    from ascend_spec_tools.tiny_models import write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "fp8", "moe-e16-k4", fp8=True)
     runs = run_harness([{"name": n, "drafter": d, "k": 2, "graph": GRAPH, **RUN}

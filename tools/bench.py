@@ -53,12 +53,12 @@ import torch
 from ascend_spec.adaptive import speedup_limit
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
-from ascend_spec.fused_step import GREEDY, PHASE_DIMS, StepKey, make_spec_phases
+from ascend_spec.fused_step import PHASE_DIMS, StepKey, make_spec_phases
 from ascend_spec.graph.weights import load_model
 from ascend_spec.k_policy import AcceptanceTracker
 from ascend_spec.metrics import RunStats
 from ascend_spec.models import BUNDLED_MODEL_DIR
-from ascend_spec.sampling import SamplingParams
+from ascend_spec.sampling import GREEDY, SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 PROMPTS_FILE = Path(__file__).with_name("bench_prompts.txt")

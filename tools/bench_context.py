@@ -26,7 +26,7 @@ import torch
 
 from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
 from ascend_spec.engine import Engine
-from ascend_spec.fused_step import time_call
+from ascend_spec.timing import time_call
 from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE, cache_tensors
 from ascend_spec.graph.mla_kernels import live_blocks
 from ascend_spec.graph.weights import load_model

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
     if args.checkpoint in ("bundled-moe", "bundled-moe-w8a8"):
-        from ascend_spec.tiny_models import moe_from_bundled, w8a8_from
+        from ascend_spec_tools.tiny_models import moe_from_bundled, w8a8_from
 
         checkpoint = args.cache / "bundled-moe"
         if not (checkpoint / "config.json").is_file():

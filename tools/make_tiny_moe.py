@@ -1,12 +1,12 @@
-"""Write deterministic random DeepSeek-V3 MoE + YaRN checkpoints (see ``ascend_spec.tiny_models.PRESETS``).
+"""Write deterministic random DeepSeek-V3 MoE + YaRN checkpoints (see ``ascend_spec_tools.tiny_models.PRESETS``).
 
     python tools/make_tiny_moe.py --out /tmp/tiny-moe [--preset moe-e16-k4 ...] [--seed 0]
                                   [--dtype float32|bfloat16] [--shard-mb N] [--fp8] [--from-bundled] [--w8a8]
 
 Writes one folder per preset under ``--out``: config.json, safetensors (sharded with an index when
 ``--shard-mb`` is given), and the bundled tokenizer. ``--from-bundled`` adds ``bundled-moe``, the bundled trained
-model made MoE + YaRN (see ``ascend_spec.tiny_models.moe_from_bundled``); ``--w8a8`` with it adds
-``bundled-moe-w8a8``, the same weights as compressed-tensors W8A8-int8 (``ascend_spec.tiny_models.w8a8_from``:
+model made MoE + YaRN (see ``ascend_spec_tools.tiny_models.moe_from_bundled``); ``--w8a8`` with it adds
+``bundled-moe-w8a8``, the same weights as compressed-tensors W8A8-int8 (``ascend_spec_tools.tiny_models.w8a8_from``:
 the format vLLM-CPU runs on CPUs without AMX).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ascend_spec.tiny_models import PRESETS, moe_from_bundled, w8a8_from, write_checkpoint
+from ascend_spec_tools.tiny_models import PRESETS, moe_from_bundled, w8a8_from, write_checkpoint
 
 
 def main() -> None:

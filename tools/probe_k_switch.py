@@ -76,12 +76,12 @@ def run(eng: Engine, prompts: list[list[int]], max_tokens: int, k_of_step: Calla
     plan = policy.plan
     mark = mark_step and eng.device.type == "cuda"
 
-    def scripted(running):  # the scheduler asks the step's K before it makes room for it
+    def scripted(running, warm):  # the scheduler asks the step's K before it makes room for it
         policy.force_k = k_of_step(count[0])
         count[0] += 1
         if mark:
             torch.compiler.cudagraph_mark_step_begin()
-        return plan(running)
+        return plan(running, warm)
 
     policy.plan = scripted
     try:

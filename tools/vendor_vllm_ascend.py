@@ -5,7 +5,7 @@
     python tools/vendor_vllm_ascend.py --archive-dir ~/archives v0.23.0   # vllm-ascend-v0.23.0.tar.gz there
 
 Each tag's GitHub source archive (or one already on disk) is read; only the excerpts listed in
-``ascend_spec.upgrade.ascend_excerpt.EXCERPTS`` are written, with a header naming the tag. Update
+``ascend_spec_tools.upgrade.ascend_excerpt.EXCERPTS`` are written, with a header naming the tag. Update
 tests/data/vllm_ascend/README.md (tags, commits) when adding one.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ascend_spec.upgrade.ascend_excerpt import EXCERPTS, write_excerpts  # noqa: E402
-from ascend_spec.upgrade.ascend_source import AscendSources, tag_for  # noqa: E402
-from ascend_spec.upgrade.fetch import cache_root  # noqa: E402
+from ascend_spec_tools.upgrade.ascend_excerpt import EXCERPTS, write_excerpts  # noqa: E402
+from ascend_spec_tools.upgrade.ascend_source import AscendSources, tag_for  # noqa: E402
+from ascend_spec_tools.upgrade.fetch import cache_root  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,11 @@
-"""The backend interface and the factory that picks one for the device at hand."""
+"""The backend interface: what a backend promises (:class:`Backend`, its :class:`ShapePolicy`), the graph failure
+policy, and compiling one graph per bucket. Picking a backend is :mod:`.factory`'s (it imports every backend)."""
 from __future__ import annotations
 
 import os
 import types
 from dataclasses import dataclass
 from typing import Callable, Protocol
-
-import torch
 
 from .lint import GraphLint
 
@@ -109,49 +108,3 @@ def compile_per_bucket(backend: Backend, fn: GraphFn, prefix: str, sizes: list[i
     else:
         tags = {size: f"{prefix}_bs{size}" for size in sizes}
     return {key: backend.compile(clone_with_name(fn, tag), tag) for key, tag in tags.items()}
-
-
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto``: NPU → torchair, CUDA → inductor (CUDA graphs), CPU → inductor."""
-    if name != "auto":
-        return name
-    if device.type == "npu":
-        return "torchair"
-    return "inductor"
-
-
-def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autotune", frozen_parameter: bool = True,
-                view_optimize: bool = True, tiling_schedule_optimize: bool = False,
-                use_cached_graph: bool = False, distributed: bool = False, input_guards_only: bool = False,
-                graph_failure: str | None = None) -> Backend:
-    """``input_guards_only``: inductor on CPU re-checks only the guards on a graph's arguments on each call
-    (``graph.backends.guards``), for callers whose graphs take every per-call value as an argument.
-    ``graph_failure``: see :func:`resolve_graph_failure`."""
-    device = torch.device(device)
-    resolved = resolve_backend_name(name, device)
-    policy = resolve_graph_failure(graph_failure)
-    backend: Backend
-    if resolved == "eager":
-        from .eager import EagerBackend
-
-        backend = EagerBackend(policy)
-    elif resolved == "inductor":
-        from .inductor import InductorBackend
-
-        backend = InductorBackend(device, input_guards_only=input_guards_only, graph_failure=policy)
-    elif resolved == "torchair-rehearsal":
-        from .rehearsal import RehearsalBackend
-
-        backend = RehearsalBackend(policy)
-    elif resolved == "torchair":
-        from .torchair import TorchairBackend, TorchairOptions
-
-        backend = TorchairBackend(TorchairOptions(mode=mode, frozen_parameter=frozen_parameter,
-                                                  view_optimize=view_optimize,
-                                                  tiling_schedule_optimize=tiling_schedule_optimize,
-                                                  use_cached_graph=use_cached_graph, distributed=distributed),
-                                  graph_failure=policy)
-    else:
-        raise ValueError(f"backend={name!r}; allowed: ['auto', 'eager', 'inductor', 'torchair', "
-                         "'torchair-rehearsal']")
-    return backend

@@ -30,6 +30,10 @@ Inductor's working cache (``TORCHINDUCTOR_CACHE_DIR``)
     compile of the process (the engine opens the cache at load). Entries there are keyed by torch itself
     (graph, inputs, versions, config), so stale ones miss rather than load.
 
+Modules
+    :mod:`.cache_dir` (the folder), :mod:`.cache_entry` (the key and the file format), this one (the cache:
+    load, save, list, clear; the engine's entry point).
+
 Dynamo's tracing
     The payload above holds no Dynamo trace: a start from it traces every graph again. Where graphs can be saved
     whole (CPU inductor) the engine uses :mod:`.aot_graphs` instead, with entries in this folder and this file
@@ -39,234 +43,30 @@ Dynamo's tracing
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
-import stat
-import struct
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
+
+from .cache_dir import (ENV_CACHE_DIR, TMP_SUFFIX, CacheDirError, atomic_write, cache_root, check_private_dir,
+                        ensure_private_dir, folder_size)
+from .cache_entry import (DIGEST_CHARS, FORMAT_VERSION, MAGIC, BadEntry, CacheKey, decode_entry, digest_sources,
+                          encode_entry, graph_code_digest, key_digest, read_file_header)
+
+__all__ = ["BadEntry", "CacheDirError", "CacheKey", "CompileCache", "DIGEST_CHARS", "ENTRY_SUFFIX", "ENV_CACHE_DIR",
+           "ENV_DISABLE", "EntryInfo", "FORMAT_VERSION", "MAGIC", "atomic_write", "cache_root", "check_private_dir",
+           "decode_entry", "digest_sources", "encode_entry", "ensure_private_dir", "folder_size",
+           "graph_code_digest", "open_default_cache"]
 
 log = logging.getLogger(__name__)
 
-ENV_CACHE_DIR = "ASCEND_SPEC_CACHE_DIR"
 ENV_DISABLE = "ASCEND_SPEC_DISABLE_COMPILE_CACHE"
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_SUBDIR = "inductor"
-
-MAGIC = b"ASPCACHE"
-FORMAT_VERSION = 1
-# magic, format version, header length
-_PREFIX = struct.Struct("<8sHI")
-_MAX_HEADER = 1 << 20
 ENTRY_SUFFIX = ".bin"
-_TMP_SUFFIX = ".tmp"
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-DIGEST_CHARS = 24
-_HEADER_FIELDS = {"key", "payload_len", "payload_sha256"}
-
-
-class CacheDirError(ValueError):
-    """The cache folder is not private to the current user (or cannot be made so)."""
-
-
-class BadEntry(Exception):
-    """An entry that must not be loaded; the message is the reason shown to the user."""
-
-
-# --------------------------------------------------------------------------- the folder
-
-
-def cache_root() -> Path:
-    """``$ASCEND_SPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/ascend-spec``, else ``~/.cache/ascend-spec``.
-
-    Created with mode 0700 when missing; raises :class:`CacheDirError` if it is not private.
-    """
-    if os.environ.get(ENV_CACHE_DIR):
-        root = Path(os.environ[ENV_CACHE_DIR])
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]) / "ascend-spec"
-    else:
-        root = Path.home() / ".cache" / "ascend-spec"
-    return ensure_private_dir(root.expanduser())
-
-
-def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` with mode 0700, or check that an existing one is owned by us and not writable by others."""
-    path = path.absolute()
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700)
-            path.chmod(0o700)  # mkdir's mode is filtered by the umask; state it exactly
-        except FileExistsError:
-            pass  # another process created it meanwhile: check it below like any existing folder
-        except OSError as exc:
-            raise CacheDirError(f"compile cache folder {path}: cannot create it ({exc}); set {ENV_CACHE_DIR} "
-                                "to a folder of your own") from None
-    check_private_dir(path)
-    return path
-
-
-def check_private_dir(path: Path) -> None:
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise CacheDirError(f"compile cache folder {path}: {exc}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheDirError(f"compile cache folder {path} is not a folder; set {ENV_CACHE_DIR} to a folder of your own")
-    if not hasattr(os, "geteuid"):
-        return  # no POSIX ownership to check (Windows)
-    problems = []
-    if st.st_uid != os.geteuid():
-        problems.append(f"owned by uid {st.st_uid}, not by you (uid {os.geteuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        problems.append(f"mode {stat.S_IMODE(st.st_mode):04o} lets others write to it")
-    if problems:
-        raise CacheDirError(f"compile cache folder {path}: {'; '.join(problems)}. Compiled graphs are code and "
-                            f"are never loaded from a folder others can write: run `chmod 700 {path}` if it is "
-                            f"yours, or set {ENV_CACHE_DIR} to a folder of your own (allowed: owned by you, "
-                            "not group/world-writable)")
-
-
-# --------------------------------------------------------------------------- the key
-
-
-def digest_sources(folder: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(folder.rglob("*.py"), key=lambda p: p.relative_to(folder).as_posix()):
-        h.update(path.relative_to(folder).as_posix().encode() + b"\0")
-        h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()[:DIGEST_CHARS]
-
-
-@functools.cache
-def graph_code_digest() -> str:
-    """sha256 over the sources of the ``ascend_spec.graph`` package: any change to a graph invalidates entries."""
-    return digest_sources(Path(__file__).resolve().parent.parent)
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
-
-
-def _python_version() -> str:
-    return "{}.{}.{}".format(*sys.version_info[:3])
-
-
-def _canonical(value: Any, what: str) -> str:
-    try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"CacheKey.{what}={value!r} is not JSON-able ({exc}); allowed: dicts, lists, str, int, "
-                         "finite float, bool, None") from None
-
-
-def _key_digest(key_dict: dict[str, Any]) -> str:
-    return hashlib.sha256(_canonical(key_dict, "key").encode()).hexdigest()[:DIGEST_CHARS]
-
-
-@dataclass(frozen=True, eq=False)
-class CacheKey:
-    """What a cached warm-up depends on. Keys compare by their canonical JSON; the digest names the file."""
-
-    what: str  # a short label, e.g. "spec_k2_greedy"
-    model_config: dict[str, Any]
-    backend: str
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    graph_code: str = field(default_factory=graph_code_digest)
-    torch_version: str = field(default_factory=_torch_version)
-    # The payload holds pickles and bytecode: tie it to the interpreter too.
-    python_version: str = field(default_factory=_python_version)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.what, str) or not _LABEL.match(self.what):
-            raise ValueError(f"CacheKey.what={self.what!r}; allowed: 1-64 characters of [A-Za-z0-9_.-], "
-                             "starting with a letter or digit")
-        for name in ("model_config", "backend_options"):
-            if not isinstance(getattr(self, name), dict):
-                raise ValueError(f"CacheKey.{name}={getattr(self, name)!r}; allowed: a JSON-able dict")
-            _canonical(getattr(self, name), name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The key as plain JSON data (tuples become lists), as stored in an entry's header."""
-        return json.loads(self.canonical_json())
-
-    def canonical_json(self) -> str:
-        return _canonical(dataclasses.asdict(self), "key")
-
-    @property
-    def digest(self) -> str:
-        return _key_digest(self.to_dict())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CacheKey) and self.canonical_json() == other.canonical_json()
-
-    def __hash__(self) -> int:  # the dict fields are not hashable
-        return hash(self.canonical_json())
-
-
-# --------------------------------------------------------------------------- the entry file format
-
-
-def encode_entry(key: CacheKey, payload: bytes, variants: int | None = None) -> bytes:
-    """``variants``: how many compiled variants a saved graph holds (``aot_graphs``), shown by ``cache info``."""
-    fields = {"key": key.to_dict(), "payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_len": len(payload)}
-    if variants is not None:
-        fields["variants"] = variants
-    header = json.dumps(fields, sort_keys=True).encode()
-    return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header + payload
-
-
-def _read_header(blob: bytes) -> tuple[dict[str, Any], int]:
-    """The header and the payload's offset; raises :class:`BadEntry`."""
-    if len(blob) < _PREFIX.size:
-        raise BadEntry(f"truncated: {len(blob)} bytes, shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, header_len = _PREFIX.unpack_from(blob)
-    if magic != MAGIC:
-        raise BadEntry("not an ascend-spec compile cache entry (bad magic bytes)")
-    if version != FORMAT_VERSION:
-        raise BadEntry(f"format version {version}, this build reads version {FORMAT_VERSION}")
-    end = _PREFIX.size + header_len
-    if header_len > _MAX_HEADER or end > len(blob):
-        raise BadEntry(f"truncated: header of {header_len} bytes, file has {len(blob) - _PREFIX.size} after the prefix")
-    try:
-        header = json.loads(blob[_PREFIX.size:end])
-    except ValueError as exc:
-        raise BadEntry(f"unreadable header ({exc})") from None
-    if not isinstance(header, dict) or not _HEADER_FIELDS <= header.keys() or not isinstance(header["key"], dict):
-        raise BadEntry(f"unreadable header (allowed: an object with {sorted(_HEADER_FIELDS)})")
-    return header, end
-
-
-def decode_entry(blob: bytes, key: CacheKey) -> bytes:
-    """The payload of an entry for ``key``, after checking everything; raises :class:`BadEntry`."""
-    header, start = _read_header(blob)
-    payload = blob[start:]
-    if len(payload) != header["payload_len"]:
-        raise BadEntry(f"truncated: payload of {len(payload)} bytes, header says {header['payload_len']}")
-    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
-        raise BadEntry("corrupt: payload sha256 does not match the header")
-    stored, wanted = header["key"], key.to_dict()
-    if stored != wanted:
-        differ = sorted(k for k in stored.keys() | wanted.keys() if stored.get(k) != wanted.get(k))
-        raise BadEntry(f"foreign entry: written for another key (differs in {', '.join(differ)}), not {key.what!r} "
-                       f"{key.digest}")
-    return payload
-
-
-# --------------------------------------------------------------------------- the cache
 
 
 @dataclass(frozen=True)
@@ -370,7 +170,7 @@ class CompileCache:
     def clear(self) -> int:
         """Remove every entry, leftover temporary file and ``<root>/inductor``; returns the bytes freed."""
         freed = 0
-        for path in [*self.root.glob(f"*{ENTRY_SUFFIX}"), *self.root.glob(f".*{_TMP_SUFFIX}")]:
+        for path in [*self.root.glob(f"*{ENTRY_SUFFIX}"), *self.root.glob(f".*{TMP_SUFFIX}")]:
             with contextlib.suppress(FileNotFoundError):
                 size = path.stat().st_size
                 path.unlink()
@@ -434,33 +234,14 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.disabled = previous
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """tmp file (0600, same folder) + fsync + os.replace: readers see the old entry or the new, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=_TMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _entry_info(path: Path) -> EntryInfo:
     st = path.stat()
     what = torch_version = problem = variants = None
     try:
-        with path.open("rb") as f:
-            prefix = f.read(_PREFIX.size)
-            header_len = _PREFIX.unpack(prefix)[2] if len(prefix) == _PREFIX.size else 0
-            header, start = _read_header(prefix + f.read(min(header_len, _MAX_HEADER)))
+        header, start = read_file_header(path)
         what, torch_version = header["key"].get("what"), header["key"].get("torch_version")
         variants = header.get("variants")
-        stored_digest = _key_digest(header["key"])
+        stored_digest = key_digest(header["key"])
         if st.st_size - start != header["payload_len"]:
             problem = f"truncated: payload of {st.st_size - start} bytes, header says {header['payload_len']}"
         elif stored_digest != path.stem:
@@ -469,12 +250,3 @@ def _entry_info(path: Path) -> EntryInfo:
         problem = str(exc)
     return EntryInfo(path=path, digest=path.stem, size=st.st_size, mtime=st.st_mtime, what=what,
                      torch_version=torch_version, problem=problem, variants=variants)
-
-
-def folder_size(folder: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-    return total

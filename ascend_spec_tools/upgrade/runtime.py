@@ -11,7 +11,7 @@ One virtualenv per ``package==version`` under ``.cache/upgrade-venvs/`` (or ``--
    transformers imports them when present).
 
 In that virtualenv run the parity suite (``pytest -m vllm`` over :data:`PARITY_TESTS`) and the acceptance
-gate (:mod:`ascend_spec.upgrade.acceptance`). A failure is classified:
+gate (:mod:`ascend_spec_tools.upgrade.acceptance`). A failure is classified:
 
 ``ours``      our plugin fails where vLLM alone runs (API drift the shims do not cover);
 ``vllm``      vLLM fails without our plugin too (its own MTP drafter on the same checkpoint, plugins off);
@@ -247,7 +247,7 @@ def run_module(py: Path, module: str, args: list[str], timeout_s: int, env: dict
 
 def vllm_alone(py: Path, timeout_s: int) -> str | None:
     """None when vLLM's own MTP drafter runs the bundled checkpoint with every plugin off, else its error."""
-    res = run_module(py, "ascend_spec.upgrade.acceptance", ["baseline"], timeout_s, env={"VLLM_PLUGINS": ""})
+    res = run_module(py, "ascend_spec_tools.upgrade.acceptance", ["baseline"], timeout_s, env={"VLLM_PLUGINS": ""})
     return res.get("error")
 
 
@@ -287,7 +287,7 @@ def run_release(index: Index, version: str, opts: RuntimeOptions) -> dict:
         tests = run_pytest(py, opts.tests, opts.timeout_s)
         res.update(passed=tests["passed"], failed=tests["failed"], skipped=tests["skipped"], tests=tests)
         if opts.gate:
-            res["acceptance"] = run_module(py, "ascend_spec.upgrade.acceptance", ["check"], opts.timeout_s)
+            res["acceptance"] = run_module(py, "ascend_spec_tools.upgrade.acceptance", ["check"], opts.timeout_s)
         gate_failed = opts.gate and res["acceptance"].get("verdict") != "pass"
         if tests["failed"] or tests["exit_code"] not in (0, 5) or gate_failed:
             err = vllm_alone(py, opts.timeout_s)

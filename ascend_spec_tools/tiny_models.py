@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from .graph.config import ModelConfig, MoEConfig, YarnScaling
-from .graph.model import DeepseekV3ForCausalLM
-from .graph.weights import fp8_quantization_config, save_model
-from .models import FIXTURE_MODEL_DIR
+from ascend_spec.graph.config import ModelConfig, MoEConfig, YarnScaling
+from ascend_spec.graph.model import DeepseekV3ForCausalLM
+from ascend_spec.graph.weights import fp8_quantization_config, save_model
+from ascend_spec.models import FIXTURE_MODEL_DIR
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -103,7 +103,7 @@ def moe_from_bundled(out_dir: str | Path, seed: int = 0, num_experts: int = 16, 
     becomes YaRN ×2 over the first half of the context. Random MoE checkpoints draft nothing useful
     (acceptance ≈ 0), which would leave the speculative paths barely exercised; this one keeps acceptance.
     """
-    from .graph.weights import load_model
+    from ascend_spec.graph.weights import load_model
 
     dense = load_model(FIXTURE_MODEL_DIR)
     base = dense.cfg
