@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .ascend import AscendNpuContextMixin
+from .ascend_context import AscendNpuContextMixin
 from .manifest import covers
 from .settings import ADDITIONAL_CONFIG_KEY
 from .shims import CompatError, Missing

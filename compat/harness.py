@@ -19,7 +19,7 @@ length, see :func:`_inject_bug`; for showing that the acceptance gate catches a 
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
 ``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating;
 ``fail_draft_graph_calls``: make our drafter's compiled graph calls with these numbers (1-based, after warm-up)
-raise once they ran (:mod:`ascend_spec.fault_injection`), to see each such step rerun eagerly.
+raise once they ran (:mod:`ascend_spec_tools.fault_injection`), to see each such step rerun eagerly.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
@@ -166,7 +166,7 @@ def _unreach(runner: str):
     if runner == "v1":
         build, current = plugin.build_adapter_class, gmr.EagleProposer
         plugin.build_adapter_class = lambda base: base
-        gmr.EagleProposer = getattr(current, "vllm_base", current)
+        gmr.EagleProposer = getattr(current, "vllm_base", current)  # manifest: ignore (our adapter's attribute)
 
         def undo_v1() -> None:
             plugin.build_adapter_class, gmr.EagleProposer = build, current
