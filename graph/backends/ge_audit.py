@@ -180,6 +180,16 @@ class ConverterIndex:
                         for arg, dtype in _case_dtypes(case, arg_names).items():
                             conv.declared.setdefault(arg, set()).add(dtype)
                     converters[name] = conv
+            # ``register_fx_node_ge_converter(op)(fn)`` as a statement (npu_grouped_matmul's form)
+            tree = ast.parse(text)
+            fns = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+            for call in ast.walk(tree):
+                if (isinstance(call, ast.Call) and isinstance(call.func, ast.Call)
+                        and ast.unparse(call.func.func) == "register_fx_node_ge_converter"
+                        and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in fns):
+                    name = _registered_name(call.func)
+                    if name:
+                        converters[name] = Converter(name, path, not _only_raises(fns[call.args[0].id]))
         return cls(converters)
 
     def verdict(self, use: OpUse) -> tuple[Converter | None, str]:
