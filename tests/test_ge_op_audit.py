@@ -3,9 +3,9 @@
 The engine runs on CPU with the real ``TorchairBackend`` over a stand-in torchair whose NPU backend is
 torchair's own front half (``ge_audit.torchair_inference_graph``: AOT, its decompositions, its FX passes) and
 whose ``cache_compile`` refuses what torchair's refuses; the NPU ops are ``torch.ops.npu.*`` with the wheel's
-schemas (``npu_standin``). Graphs: the fused step at K = 1, 2, 3 (greedy, random, logprobs), the step-by-step
-target and draft graphs, prefill and the prompts' draft chain; bf16, block 128, the nope/rope pair; dense and MoE;
-``use_cached_graph`` too. Each op with its input dtypes must have a converter that does more than raise, and the
+schemas (``npu_standin``). Graphs: the fused step at K = 1, 2, 3 (greedy, random, logprobs; K = 2 under
+``use_cached_graph``), the step-by-step target and draft graphs, prefill and the prompts' draft chain; bf16, block
+128, the nope/rope pair; dense and MoE. One traced set serves every test (each engine traces once). Each op with its input dtypes must have a converter that does more than raise, and the
 table in ``docs/ge-op-audit.md`` must list exactly what the graphs hold (regenerate:
 ``ASCEND_SPEC_WRITE_GE_AUDIT=1 pytest tests/test_ge_op_audit.py``).
 """
@@ -33,9 +33,11 @@ from . import npu_standin
 from .test_torchair_contract import GE_CONVERTERS, TORCH_NPU_VERSION, _cache_dir
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "ge-op-audit.md"
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n"]
-#: the ops a planted defect adds (``ASCEND_SPEC_PLANT_GE_OP=1``): ``aten.exponential`` has only a raising converter
-PLANT_ENV = "ASCEND_SPEC_PLANT_GE_OP"
+TEXTS = ["def fibonacci(n):\n", "class Stack:\n"]
+#: tokens per request: the prompt's, then two steps (enough to run every step graph once after warm-up)
+MAX_TOKENS = 3
+#: the MoE shape audited: DeepSeek-V3's in miniature (dense layer 0, grouped routing, MoE MTP layer), 2 layers
+MOE_PRESET = "moe-e16-k4"
 
 
 def _wheel() -> Path:
@@ -87,24 +89,32 @@ class _Recorder:
                                      patch_for_hcom=lambda: None)
 
 
-def _config(k: int, fused: bool, cached: bool) -> EngineConfig:
+def _config(k: int, fused: bool, cached: bool, prefill: tuple[int, ...]) -> EngineConfig:
     return EngineConfig(max_model_len=256, max_num_seqs=2, block_size=128, kv_layout="pair",
                         speculative=SpeculativeConfig(num_speculative_tokens=k),
                         graph=TorchairGraphConfig(backend="torchair", graph_batch_sizes=(2,),
-                                                  prefill_query_widths=(16,), use_cached_graph=cached),
+                                                  prefill_query_widths=prefill, use_cached_graph=cached),
                         fused_step=fused, adaptive_k=False)
 
 
-def _run(model_dir: Path, k: int, fused: bool, cached: bool, modes: list[SamplingParams]) -> None:
+def _run(model_dir: Path, k: int, modes: list[SamplingParams], fused: bool = True, cached: bool = False,
+         prefill: tuple[int, ...] = ()) -> None:
     tok = TextTokenizer(model_dir)
     prompts = [tok.encode(t) for t in TEXTS]
-    eng = load_engine(model_dir, _config(k, fused, cached), dtype="bfloat16")
+    eng = load_engine(model_dir, _config(k, fused, cached, prefill), dtype="bfloat16")
     for params in modes:
-        eng.generate(prompts, params, 6)
+        eng.generate(prompts, params, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def audited(wheel_sources, trained_dir, moe_ckpts):
+def moe_dir(tmp_path_factory) -> Path:
+    from ascend_spec.tiny_models import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ge_audit_moe") / MOE_PRESET, MOE_PRESET)
+
+
+@pytest.fixture(scope="module")
+def audited(wheel_sources, trained_dir, moe_dir):
     index, schemas = wheel_sources
     rec = _Recorder()
     fake_npu = npu_standin.register(schemas)
@@ -116,11 +126,13 @@ def audited(wheel_sources, trained_dir, moe_ckpts):
     greedy, random = SamplingParams(), SamplingParams(temperature=0.8, seed=1)
     logprobs = SamplingParams(logprobs=2)
     try:
-        _run(trained_dir, 1, True, False, [greedy])
-        _run(trained_dir, 3, True, False, [greedy, random, logprobs])
-        _run(trained_dir, 2, False, False, [greedy, random])
-        _run(trained_dir, 2, True, True, [greedy])
-        _run(moe_ckpts["bundled-moe"], 2, True, False, [greedy])
+        # Prefill graphs (width 16; the prompts' draft chain at 16 and 1 + K) in two engines, dense and MoE; the
+        # others prefill eagerly: the same ops, no graph to trace again.
+        _run(trained_dir, 3, [greedy, random, logprobs], prefill=(16,))
+        _run(trained_dir, 2, [greedy, random, logprobs], cached=True)
+        _run(trained_dir, 1, [greedy])
+        _run(trained_dir, 2, [greedy, random], fused=False)
+        _run(moe_dir, 2, [greedy], prefill=(16,))
     finally:
         mp.undo()
         torch._dynamo.reset()
