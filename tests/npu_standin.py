@@ -110,3 +110,11 @@ def register(schemas: dict[str, str]) -> types.ModuleType:
     # the in-place scatter, as the eager path calls it (a graph holds the out-of-place op)
     module.npu_scatter_nd_update_ = lambda self, indices, updates: self.index_copy_(0, indices[:, 0], updates)
     return module
+
+
+def add_cache_write(module: types.ModuleType) -> types.ModuleType:
+    """Give a hand-made ``torch_npu`` stand-in the cache write the NPU path calls (``latent_cache._write_npu``:
+    ``npu_scatter_nd_update`` in graphs, its in-place form eagerly), as plain torch ops (no wheel schema needed)."""
+    module.npu_scatter_nd_update = lambda self, indices, updates: self.index_copy(0, indices[:, 0], updates)
+    module.npu_scatter_nd_update_ = lambda self, indices, updates: self.index_copy_(0, indices[:, 0], updates)
+    return module
