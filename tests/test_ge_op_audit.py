@@ -145,6 +145,13 @@ def _table(graphs: dict[str, set[OpUse]], rows) -> str:
     return "\n".join(lines)
 
 
+def _summary(graphs: dict[str, set[OpUse]], rows) -> str:
+    counts = {v: sum(r.verdict == v for r in rows) for v in dict.fromkeys(r.verdict for r in rows)}
+    return (f"{len(rows)} rows ({len({r.op for r in rows})} ops) over {len(graphs)} graphs: "
+            + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".\n\nGraphs: "
+            + ", ".join(f"`{g}`" for g in sorted(graphs)) + ".")
+
+
 def test_every_op_converts(audited):
     graphs, rows = audited
     assert any(g.startswith("spec_k") for g in graphs) and any(g.startswith("cached:") for g in graphs), sorted(graphs)
@@ -159,7 +166,9 @@ def test_the_table_lists_what_the_graphs_hold(audited):
     if os.environ.get("ASCEND_SPEC_WRITE_GE_AUDIT"):
         text = TABLE.read_text()
         start, end = text.index("<!-- table -->") + len("<!-- table -->"), text.index("<!-- /table -->")
-        TABLE.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+        text = text[:start] + "\n" + table + "\n" + text[end:]
+        start, end = text.index("<!-- summary -->") + len("<!-- summary -->"), text.index("<!-- /summary -->")
+        TABLE.write_text(text[:start] + "\n" + _summary(graphs, rows) + "\n" + text[end:])
     documented = TABLE.read_text()
     missing = [line for line in table.splitlines()[2:] if line not in documented]
     assert not missing, "ops not in docs/ge-op-audit.md (review, then regenerate):\n" + "\n".join(missing)
