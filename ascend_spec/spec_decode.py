@@ -43,9 +43,10 @@ def prepare_next_token_ids_padded(
     """
     valid = (sampled_token_ids >= 0) & (sampled_token_ids < vocab_size) & ~discard_request_mask.unsqueeze(1)
     count = valid.sum(dim=1, dtype=torch.int32)
-    positions = torch.arange(sampled_token_ids.shape[1], device=sampled_token_ids.device)
+    positions = torch.arange(sampled_token_ids.shape[1], device=sampled_token_ids.device, dtype=torch.float32)
     # Rightmost valid column (-1 if none); the sampler emits a valid prefix, but this does not rely on it.
-    last = torch.where(valid, positions, -1).amax(dim=1, keepdim=True)
+    # max.dim over float32 (exact for column indices): torchair's amax converters only raise, max.dim's take float.
+    last = torch.where(valid, positions, -1.0).max(dim=1, keepdim=True).values.to(torch.int64)
     last_tokens = sampled_token_ids.gather(1, last.clamp(min=0)).squeeze(1)
     backup = backup_next_token_ids.to(sampled_token_ids.dtype)
     next_ids = torch.where(last.squeeze(1) >= 0, last_tokens, backup)
@@ -202,7 +203,9 @@ def rejection_sample(
         accept = torch.where(st.greedy.unsqueeze(1), accept, _random_accept(probs, drafts, draft_probs, generator, noise))
     accept = accept & in_draft
 
-    num_accepted = accept.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int64)  # [B], <= num_draft
+    # Accepted so far = no rejection up to j: a cumsum of rejections (torchair's cumprod converter only raises).
+    rejected = (~accept).cumsum(dim=1)
+    num_accepted = (rejected == 0).to(torch.int32).sum(dim=1, dtype=torch.int64)  # [B], <= num_draft
     final_token = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # greedy recovery / bonus
     if probs is not None:
         recovered = _sample_at_stop(probs, drafts, draft_probs, num_accepted, num_draft, generator, noise)

@@ -49,6 +49,8 @@ class MLAttention(nn.Module):
     absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
     #: the paged attention kernel (see :mod:`.mla_kernels`); chosen per backend by ``set_attention_kernel``
     kernel: MLAKernel = staticmethod(gather_mla)  # type: ignore[assignment]
+    #: write the cache with torch_npu's scatter op (with the NPU kernel: what torchair converts)
+    npu_cache_write = False
 
     # -- shared projections ---------------------------------------------------------------------
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,7 +82,7 @@ class MLAttention(nn.Module):
         b, q_len, _ = x.shape
         q_nope, q_pe, c_kv, k_pe = self._project(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope], ...
         write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(b * q_len, -1),
-                           k_pe.reshape(b * q_len, -1))
+                           k_pe.reshape(b * q_len, -1), npu=self.npu_cache_write)
 
         if self.uk_proj is not None:
             q_lat = self.uk_proj(q_nope)

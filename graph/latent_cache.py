@@ -80,15 +80,32 @@ def _write(cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, valid
     cache.index_put_((block, offset), torch.where(valid, values.to(cache.dtype), cache[0, 0].expand_as(values)))
 
 
+def _write_npu(cache: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor, values: torch.Tensor) -> None:
+    """torch_npu's scatter update, as vllm-ascend's torchair MLA wrote its caches: torchair has no GE converter
+    for ``index_put`` (its converter only raises), one for ``npu_scatter_nd_update``. The out-of-place op in a
+    graph (functionalisation gives the same pair for the in-place one: the op, then a copy into the input)."""
+    import torch_npu  # needs CANN; imported on the NPU path only
+
+    flat = cache.view(-1, cache.shape[-1])
+    rows = torch.where(valid, values.to(cache.dtype), flat[0].expand_as(values))
+    index = slot.unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        cache.copy_(torch_npu.npu_scatter_nd_update(flat, index, rows).view_as(cache))
+    else:
+        torch_npu.npu_scatter_nd_update_(flat, index, rows)
+
+
 def write_latent_cache(cache: LatentCache, slot_mapping: torch.Tensor, c_kv: torch.Tensor,
-                       k_pe: torch.Tensor) -> None:
-    """Write ``c_kv [N, C]`` and ``k_pe [N, R]`` at ``slot_mapping [N]`` (slot -1 writes nothing)."""
+                       k_pe: torch.Tensor, npu: bool = False) -> None:
+    """Write ``c_kv [N, C]`` and ``k_pe [N, R]`` at ``slot_mapping [N]`` (slot -1 writes nothing); ``npu``:
+    through torch_npu's scatter op (the NPU graphs' write)."""
     block_size = block_size_of(cache)
     valid = (slot_mapping >= 0).unsqueeze(-1)
     slot = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
-    block, offset = torch.div(slot, block_size, rounding_mode="floor"), slot % block_size
-    if isinstance(cache, torch.Tensor):
-        _write(cache, block, offset, valid, torch.cat([c_kv, k_pe], dim=-1))
-    else:
-        _write(cache[0], block, offset, valid, c_kv)
-        _write(cache[1], block, offset, valid, k_pe)
+    parts = ((cache, torch.cat([c_kv, k_pe], dim=-1)),) if isinstance(cache, torch.Tensor) else (
+        (cache[0], c_kv), (cache[1], k_pe))
+    for target, values in parts:
+        if npu:
+            _write_npu(target, slot, valid, values)
+        else:
+            _write(target, torch.div(slot, block_size, rounding_mode="floor"), slot % block_size, valid, values)

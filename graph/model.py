@@ -121,6 +121,11 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"attention kernel {name!r}; allowed: {sorted(KERNELS)}")
         for layer in self.model.layers:
             layer.self_attn.kernel = KERNELS[name]
+            layer.self_attn.npu_cache_write = name in HOST_LENGTH_KERNELS
+        # the NPU graphs run torch_npu's ops end to end: its MoE ops too (graph.moe_npu)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.npu_ops = name in HOST_LENGTH_KERNELS
         self.attention_kernel = name
 
     attention_kernel = "gather"

@@ -128,12 +128,14 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hidden, cfg.shared_intermediate_size) if cfg.n_shared_experts else None
         #: "auto" picks per shape (see the module docstring); tests and benchmarks pin one.
         self.strategy: Strategy = "auto"
+        #: torch_npu's fused MoE ops (set with the NPU attention kernel, ``use_backend``; on an NPU device always)
+        self.npu_ops = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         w13, w2 = self.experts.w13_weight, self.experts.w2_weight
         logits, bias = self.gate.router_logits(flat), self.gate.e_score_correction_bias
-        if flat.device.type == "npu":  # torch_npu's fused MoE ops (what torchair lowers well)
+        if self.npu_ops or flat.device.type == "npu":  # torch_npu's fused MoE ops (what torchair lowers well)
             from .moe_npu import routed_experts_npu
 
             c = self.cfg

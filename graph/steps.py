@@ -32,7 +32,24 @@ def draft_lens_host(seq_lens_host: HostLengths, step: int, max_model_len: int) -
     (see :func:`.mla_kernels.npu_mla`)."""
     if seq_lens_host is None:
         return None
-    return tuple(min(n + step, max_model_len) if n else 0 for n in seq_lens_host)
+    return tuple(_at_most(n + step, max_model_len) * _positive(n) for n in seq_lens_host)
+
+
+#: past any length: ``_positive`` holds for ``|n| < _FAR``
+_FAR = 1 << 31
+
+
+# Host lengths are SymInts in the graph. ``min`` on them traces to ``torch.sym_min``, which torchair's GE
+# translation cannot convert, and ``if n`` guards on a pad row's 0 (one recompile per pad pattern); ``+ - * //``
+# convert and guard on nothing.
+def _positive(n: int) -> int:
+    """``1 if n > 0 else 0``."""
+    return (n + _FAR - 1) // _FAR
+
+
+def _at_most(n: int, high: int) -> int:
+    """``min(n, high)``."""
+    return n - (n - high) * _positive(n - high)
 
 
 def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:

@@ -63,6 +63,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``steady_figure_weighs_every_step``: a K that ran counts each of its steps as a measured one, so explorations
   after its run weigh the floor. Fails
   ``test_fused_step.py::test_explored_figures_replace_warm_up_then_average_their_steps``.
+- ``ge_unconverted_op``: the fused step draws Exp(1) noise inside the graph (``exponential_``, whose torchair
+  converter only raises) and adds it, times zero, to the next start positions. Fails
+  ``test_ge_op_audit.py::test_every_op_converts`` (``aten.exponential.default``: not implemented).
 """
 from __future__ import annotations
 
@@ -364,3 +367,21 @@ def learning_on_a_few_drafts() -> None:
     original = AcceptanceTracker.rates
     # the defect: every position's figure counts, however few drafts it rests on
     AcceptanceTracker.rates = lambda self, min_drafts=0: original(self)
+
+
+@_plant
+def ge_unconverted_op() -> None:
+    from ascend_spec import fused_step
+
+    original = fused_step.make_spec_step
+
+    def make_spec_step(*args, **kwargs):
+        step = original(*args, **kwargs)
+
+        def spec_step(input_ids, start, *rest):
+            noise = torch.empty(start.shape, dtype=torch.float32, device=start.device).exponential_()
+            return step(input_ids, start + (0 * noise).to(start.dtype), *rest)  # the defect: no GE converter
+
+        return spec_step
+
+    fused_step.make_spec_step = make_spec_step

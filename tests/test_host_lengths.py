@@ -25,6 +25,7 @@ from ascend_spec.sync_counter import suspended
 from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import random_model
+from .npu_standin import add_cache_write
 from .test_mla_kernels import _batch, _fused_infer_attention_tnd
 
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
@@ -94,7 +95,7 @@ def npu_attention(monkeypatch):
 
     fake = types.ModuleType("torch_npu")
     fake.npu_fused_infer_attention_score = op
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setitem(sys.modules, "torch_npu", add_cache_write(fake))
     monkeypatch.setattr(EagerBackend, "attention_kernel", "npu")
     return calls
 

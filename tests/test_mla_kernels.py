@@ -14,6 +14,7 @@ from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, PagedInputs, gat
 from ascend_spec.sync_counter import HostSyncCounter, suspended
 
 from .conftest import npu_available
+from .npu_standin import add_cache_write
 
 C, R, H, BLOCK = 512, 64, 4, 16
 
@@ -150,7 +151,7 @@ def _fake_torch_npu(calls: list) -> types.ModuleType:
 
     fake = types.ModuleType("torch_npu")
     fake.npu_fused_infer_attention_score = op
-    return fake
+    return add_cache_write(fake)
 
 
 @pytest.mark.parametrize("seq_lens, q, block, width", NPU_CASES)
@@ -232,7 +233,7 @@ def test_npu_kernel_compiled_host_lengths_are_graph_inputs(monkeypatch, dynamic_
     tensor's value; left static, each new length compiles a graph (the ints are baked in)."""
     fake = types.ModuleType("torch_npu")
     fake.npu_fused_infer_attention_score = _stand_in_custom_op()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    monkeypatch.setitem(sys.modules, "torch_npu", add_cache_write(fake))
     graphs: list = []
 
     def backend(gm, example_inputs):

@@ -5,13 +5,14 @@ The ``CompilerConfig`` mapping mirrors vllm-ascend's torchair graph mode.
 """
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..mla_kernels import HOST_LENGTHS_SOURCES
-from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy
+from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy, clone_with_name
 from .lint import GraphLint
 
 #: torch_npu renamed ``reduce-overhead`` to ``npugraph_ex`` in newer releases; both select NPU graphs.
@@ -84,12 +85,58 @@ class TorchairBackend:
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if self.opts.use_cached_graph:
-            # One cache_compile per batch size; ``fn`` already carries a per-size co_name (clone_with_name),
-            # so Dynamo does not invalidate one size's cache when another compiles. cache_compile builds its own
-            # backend from the config: these graphs are not linted.
-            return self._torchair.inference.cache_compile(fn, config=self._config, dynamic=False)
+            return self._cache_compile(fn, tag)
         compiled = torch.compile(fn, backend=self.lint.wrap(self._npu_backend, tag), fullgraph=True, dynamic=False)
         return with_host_lengths_dynamic(compiled)
+
+    def _cache_compile(self, fn: GraphFn, tag: str) -> GraphFn:
+        """One ``cache_compile`` per batch size. It caches methods of modules only (``Only method can be cached
+        now`` otherwise) and builds its own backend, so ``fn`` runs as a per-tag method of a holder module (its
+        own code object: one Dynamo cache entry per size) and its first call traces it once through the lint."""
+        holder = _GraphHolder(fn)
+        method = types.MethodType(clone_with_name(_call_held, tag), holder)
+        cached = with_host_lengths_dynamic(
+            self._torchair.inference.cache_compile(method, config=self._config, dynamic=False))
+        linted = False
+
+        def graph(*args: Any) -> Any:
+            nonlocal linted
+            if not linted:
+                lint_trace(self.lint, fn, tag, args)
+                linted = True
+            return cached(*args)
+
+        return graph
+
+
+class _GraphHolder(torch.nn.Module):
+    def __init__(self, fn: GraphFn) -> None:
+        super().__init__()
+        self.fn = fn
+
+
+def _call_held(self: _GraphHolder, *args: Any) -> Any:
+    return self.fn(*args)
+
+
+class _Traced(Exception):
+    """Ends a trace-only compile once the lint has seen the graph."""
+
+
+def lint_trace(lint: GraphLint, fn: GraphFn, tag: str, args: tuple[Any, ...]) -> None:
+    """Trace ``fn`` on ``args`` as a torchair compile would and lint the graph, without running it."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        lint.check(gm, tag)
+        raise _Traced
+
+    traced = with_host_lengths_dynamic(torch.compile(clone_with_name(fn, f"{tag}_lint"), backend=backend,
+                                                     fullgraph=True, dynamic=False))
+    try:
+        traced(*args)
+    except Exception as exc:  # Dynamo wraps what a backend raises
+        if not any(isinstance(e, _Traced) for e in (exc, exc.__cause__, getattr(exc, "inner_exception", None))):
+            raise
 
 
 def with_host_lengths_dynamic(compiled: GraphFn) -> GraphFn:

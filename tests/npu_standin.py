@@ -1,0 +1,120 @@
+"""torch_npu's ops as ``torch.ops.npu.*`` on CPU, declared with the torch_npu 2.14.0 wheel's own schemas.
+
+Traced graphs then hold ``npu.<op>.default`` nodes, as on an NPU, and run: each op's CPU kernel computes the
+formula of the op's documentation (``test_mla_kernels._fused_infer_attention_tnd``, the MoE formulas of
+``test_torchair_contract``), its fake kernel gives the shapes. Nothing here says how the real kernels compute.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+
+from ascend_spec.graph import moe_npu
+
+#: the ops our NPU path calls, beyond the MoE ones
+EXTRA_OPS = ("npu_fused_infer_attention_score", "npu_scatter_nd_update")
+_LIB: torch.library.Library | None = None
+
+
+def _fake_kernels() -> dict[str, Callable[..., Any]]:
+    def fia(query, key, value, *args, num_heads=1, **kwargs):
+        return query.new_empty(num_heads, query.shape[0], value.shape[-1]), query.new_empty(1)
+
+    def gating(x, k, *args, **kwargs):
+        t, e = x.shape
+        return x.new_empty(t, k), x.new_empty(t, k, dtype=torch.int32), x.new_empty(t, e, dtype=torch.float32)
+
+    def init_routing(x, row_idx, expert_idx, active_num):
+        n = row_idx.numel()
+        return (x.new_empty(min(x.shape[0], active_num) * row_idx.shape[1], x.shape[1]),
+                row_idx.new_empty(n, dtype=torch.int32), row_idx.new_empty(n, dtype=torch.int32))
+
+    def expert_tokens(sorted_rows, num_expert):
+        return sorted_rows.new_empty(num_expert, dtype=torch.int32)
+
+    def grouped_matmul(x, weight, *args, **kwargs):
+        return [x[0].new_empty(x[0].shape[0], weight[0].shape[2])]
+
+    def swiglu(x, dim=-1):
+        shape = list(x.shape)
+        shape[dim] //= 2
+        return x.new_empty(shape)
+
+    def finalize(rows, skip1, skip2, bias, scales, src_to_dst, export, *args):
+        return rows.new_empty(scales.shape[0], rows.shape[1])
+
+    def scatter_nd(self, indices, updates):
+        return torch.empty_like(self)
+
+    return {"npu_fused_infer_attention_score": fia, "npu_moe_gating_top_k": gating,
+            "npu_moe_init_routing": init_routing, "npu_moe_compute_expert_tokens": expert_tokens,
+            "npu_grouped_matmul": grouped_matmul, "npu_swiglu": swiglu, "npu_moe_finalize_routing": finalize,
+            "npu_scatter_nd_update": scatter_nd}
+
+
+def _bind(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every argument of ``npu::name`` by its schema name, defaults included."""
+    schema = getattr(torch.ops.npu, name).default._schema
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return named | dict(zip([a.name for a in schema.arguments], args)) | kwargs
+
+
+def _cpu_kernels() -> dict[str, Callable[..., Any]]:
+    from .test_mla_kernels import _fused_infer_attention_tnd
+    from .test_torchair_contract import _fake_torch_npu
+
+    documented = _fake_torch_npu([])
+
+    def fia(query, key, value, **kwargs):
+        kwargs = _bind("npu_fused_infer_attention_score", (query, key, value), kwargs)
+        used = {k: kwargs[k] for k in ("query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout",
+                                       "scale", "block_table", "block_size", "actual_seq_lengths",
+                                       "actual_seq_lengths_kv", "atten_mask", "sparse_mode")}
+        used["actual_seq_lengths"] = [int(n) for n in used["actual_seq_lengths"]]
+        used["actual_seq_lengths_kv"] = [int(n) for n in used["actual_seq_lengths_kv"]]
+        return _fused_infer_attention_tnd(query, key, value, **used)
+
+    def scatter_nd(self, indices, updates):
+        out = self.clone()
+        out[indices[:, 0]] = updates
+        return out
+
+    kernels: dict[str, Callable[..., Any]] = {"npu_fused_infer_attention_score": fia,
+                                              "npu_scatter_nd_update": scatter_nd}
+    for name, spec in moe_npu.NPU_MOE_CALLS.items():
+        def kernel(*args, _name=name, _spec=spec, **kwargs):
+            named = _bind(_name, args, kwargs)
+            return getattr(documented, _name)(*[named[n] for n in _spec.positional],
+                                              **{n: named[n] for n in _spec.keyword})
+        kernels[name] = kernel
+    return kernels
+
+
+def register(schemas: dict[str, str]) -> types.ModuleType:
+    """Declare the ops (once per process) from ``schemas`` (op → the wheel's ``func`` string); returns a
+    ``torch_npu`` stand-in module exposing them."""
+    global _LIB
+    names = [*moe_npu.NPU_MOE_CALLS, *EXTRA_OPS]
+    if _LIB is None:
+        _LIB = torch.library.Library("npu", "DEF")
+        fakes, cpus = _fake_kernels(), _cpu_kernels()
+        for name in names:
+            _LIB.define(schemas[name])
+            _LIB.impl(name, cpus[name], "CPU")
+            torch.library.register_fake(f"npu::{name}", fakes[name], lib=_LIB)
+    module = types.ModuleType("torch_npu")
+    for name in names:
+        setattr(module, name, getattr(torch.ops.npu, name))
+    # the in-place scatter, as the eager path calls it (a graph holds the out-of-place op)
+    module.npu_scatter_nd_update_ = lambda self, indices, updates: self.index_copy_(0, indices[:, 0], updates)
+    return module
+
+
+def add_cache_write(module: types.ModuleType) -> types.ModuleType:
+    """Give a hand-made ``torch_npu`` stand-in the cache write the NPU path calls (``latent_cache._write_npu``:
+    ``npu_scatter_nd_update`` in graphs, its in-place form eagerly), as plain torch ops (no wheel schema needed)."""
+    module.npu_scatter_nd_update = lambda self, indices, updates: self.index_copy(0, indices[:, 0], updates)
+    module.npu_scatter_nd_update_ = lambda self, indices, updates: self.index_copy_(0, indices[:, 0], updates)
+    return module
