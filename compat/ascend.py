@@ -27,6 +27,7 @@ from typing import Any, Callable
 from . import ascend_hook
 from .ascend_context import AscendNpuContextMixin
 from .drafter import AscendSpecMtpMixin, build_adapter_class
+from .runner_reach import patch_worker
 from .manifest import covers
 from .settings import METHODS, PluginSettings
 from .shims import CompatError, Missing, call_with_supported, raise_if_missing
@@ -36,6 +37,8 @@ logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our l
 FACTORY_MODULE = "vllm_ascend.spec_decode"
 FACTORY = "get_spec_decode_method"
 RUNNER_MODULE = "vllm_ascend.worker.model_runner_v1"
+WORKER_MODULE = "vllm_ascend.worker.worker"
+WORKER = "NPUWorker"
 PROPOSER_MODULE = "vllm_ascend.spec_decode.eagle_proposer"
 PROPOSER = "AscendEagleProposer"
 #: where ``init_speculator`` lives: v0.23.0 in the eagle submodule, from v0.24.0rc1 in the package
@@ -153,7 +156,8 @@ def _patch_v2_runner_module(module: ModuleType) -> None:
 
 
 def install() -> None:
-    """Patch vllm-ascend's drafter factory (and the V2 speculator) now or when they are imported."""
+    """Patch vllm-ascend's drafter factory, its V2 speculator and its worker's ``load_model`` now or when they are
+    imported."""
     h = ascend_hook.hook()
     if FACTORY_MODULE not in h.patches:
         h.watch(FACTORY_MODULE, _patch_factory_module)
@@ -161,6 +165,8 @@ def install() -> None:
         for mod in V2_SPECULATOR_MODULES:
             h.watch(mod, _patch_speculator_module)
         h.watch(V2_RUNNER_MODULE, _patch_v2_runner_module)
+        # after the model loads: an enabled engine whose runner did not build ours fails at start
+        h.watch(WORKER_MODULE, functools.partial(patch_worker, cls_name=WORKER, exempt=uses_other_mtp))
 
 
 # ------------------------------------------------------------------------------------------ the adapter

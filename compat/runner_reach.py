@@ -69,9 +69,10 @@ def patched_init_speculator(original: Callable[..., Any]) -> Callable[..., Any]:
     return init_speculator
 
 
-def check_reached(vllm_config: Any, model_runner: Any) -> None:
-    """One error at engine start when ours is enabled and the runner's drafter is not ours."""
-    if not enabled_for(vllm_config):
+def check_reached(vllm_config: Any, model_runner: Any, exempt: Callable[[Any], bool] | None = None) -> None:
+    """One error at engine start when ours is enabled and the runner's drafter is not ours (``exempt(vllm_config)``:
+    a model the platform keeps its own drafter for, with a warning)."""
+    if not enabled_for(vllm_config) or (exempt is not None and exempt(vllm_config)):
         return
     kind, drafter = runner_drafter(model_runner)
     if drafter is None and vllm_config.parallel_config.pipeline_parallel_size > 1:
@@ -96,9 +97,10 @@ def patch_v2_runner(module: ModuleType) -> None:
         logger.debug("ascend_spec: %s.%s -> adapter", V2_RUNNER_MODULE, V2_SEAM)
 
 
-def patch_worker(module: ModuleType) -> None:
-    """``Worker.load_model`` followed by :func:`check_reached` (once)."""
-    cls = getattr(module, WORKER, None)
+def patch_worker(module: ModuleType, cls_name: str = WORKER, exempt: Callable[[Any], bool] | None = None) -> None:
+    """``<cls_name>.load_model`` (vLLM's ``Worker``, vllm-ascend's ``NPUWorker``) followed by :func:`check_reached`
+    (once)."""
+    cls = getattr(module, cls_name, None)
     load = getattr(cls, "load_model", None)
     if load is None or getattr(load, PATCHED, None) is not None:
         return
@@ -106,7 +108,7 @@ def patch_worker(module: ModuleType) -> None:
     @functools.wraps(load)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = load(self, *args, **kwargs)
-        check_reached(self.vllm_config, self.model_runner)
+        check_reached(self.vllm_config, self.model_runner, exempt)
         return out
 
     setattr(load_model, PATCHED, load)

@@ -332,3 +332,45 @@ def test_vllm_dummy_runs_become_inert_drafts_with_the_dp_syncs_of_a_draft(monkey
     d.ascend_stats.dp_size = 1
     d.dummy_run(1)
     assert drafts == [2, 1] and syncs == [12, 4]
+
+
+def test_worker_load_model_refuses_an_enabled_drafter_that_is_not_ours():
+    """After the worker loads the model, an enabled engine whose runner built a drafter that is not ours fails there
+    (vLLM's Worker and vllm-ascend's NPUWorker alike); ours passes, and so does a model the platform keeps its own
+    drafter for (``exempt``). Wrapping twice wraps once."""
+    from ascend_spec.compat.runner_reach import patch_worker
+    from ascend_spec.compat.shims import CompatError
+
+    class NPUWorker:
+        def load_model(self):
+            self.loaded = getattr(self, "loaded", 0) + 1
+
+    module = types.ModuleType("worker_standin")
+    module.NPUWorker = NPUWorker
+    patch_worker(module, "NPUWorker", exempt=lambda cfg: cfg.exempt)
+    patch_worker(module, "NPUWorker", exempt=lambda cfg: cfg.exempt)
+    cfg = types.SimpleNamespace(additional_config={"ascend_spec": {"enabled": True}}, exempt=False,
+                                speculative_config=types.SimpleNamespace(method="mtp"),
+                                parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
+    w = NPUWorker()
+    w.vllm_config, w.model_runner = cfg, types.SimpleNamespace(drafter=object())  # a V1 runner, its own drafter
+    with pytest.raises(CompatError, match="ours is not reached"):
+        w.load_model()
+    assert w.loaded == 1  # the model loaded once: one wrapper
+    w.model_runner = types.SimpleNamespace(speculator=types.SimpleNamespace(__ascend_spec_adapter__=True))
+    w.load_model()
+    cfg.exempt, w.model_runner = True, types.SimpleNamespace(drafter=object())
+    w.load_model()
+    cfg.exempt, cfg.additional_config = False, {"ascend_spec": {"enabled": False}}
+    w.load_model()
+
+
+def test_ascend_route_watches_the_npu_worker():
+    from ascend_spec.compat import ascend, ascend_hook
+
+    ascend_hook.uninstall()
+    try:
+        ascend.install()
+        assert ascend.WORKER_MODULE in ascend_hook.hook().patches
+    finally:
+        ascend_hook.uninstall()

@@ -22,6 +22,7 @@ EXCERPTS: dict[str, str] = {
     "vllm_ascend/ascend_forward_context.py": "signatures",
     "vllm_ascend/worker/__init__.py": "empty",
     "vllm_ascend/worker/model_runner_v1.py": "runner",
+    "vllm_ascend/worker/worker.py": "signatures",
     "vllm_ascend/worker/v2/__init__.py": "empty",
     "vllm_ascend/worker/v2/model_runner.py": "runner",
     "vllm_ascend/worker/v2/spec_decode/__init__.py": "verbatim",
