@@ -108,7 +108,7 @@ def _run(model_dir: Path, k: int, modes: list[SamplingParams], fused: bool = Tru
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
-    from ascend_spec.tiny_models import write_checkpoint
+    from ascend_spec_tools.tiny_models import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ge_audit_moe") / MOE_PRESET, MOE_PRESET)
 
