@@ -398,14 +398,12 @@ def test_v2_refusing_mtp_makes_v1_the_default_and_v2_drift_harmless(vllm_copy: P
     text = cfg.read_text()
     assert '"mlp_speculator",' in text
     cfg.write_text(text.replace('"mlp_speculator",', '"mlp_speculator",\n                "mtp",', 1))
-    spec = vllm_copy / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "target_dependent_ar" / "speculator.py"
-    tree = ast.parse(spec.read_text())
-    cap = _find_def(tree, "TargetDependentARSpeculator", "capture")
-    _delete_lines(spec, cap.lineno, cap.end_lineno)
-    spec.write_text(spec.read_text().replace("    def capture(self) -> None:\n", "    def _gone(self) -> None:\n"))
+    spec = vllm_copy / "vllm" / "v1" / "worker" / "gpu" / "spec_decode" / "speculator.py"
+    set_attn = _find_def(ast.parse(spec.read_text()), "DraftModelSpeculator", "set_attn")
+    _delete_lines(spec, set_attn.lineno, set_attn.end_lineno)
     proc = run_tool("--from", "installed", "--source", str(vllm_copy), "--json", cache=tmp_path / "cache")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(proc.stdout)
     assert data["runners"]["default"] == "v1" and not data["runners"]["broken"], data["runners"]
-    capture = rows_of(proc)["MTPSpeculator.capture"]
-    assert not capture["broken"] and "not the MTP default" in capture["verdict"], capture
+    set_attn = rows_of(proc)["MTPSpeculator.set_attn"]
+    assert not set_attn["broken"] and "not the MTP default" in set_attn["verdict"], set_attn
