@@ -30,7 +30,7 @@ from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .runner_reach import patch_worker
 from .manifest import covers
 from .settings import METHODS, PluginSettings
-from .shims import CompatError, Missing, call_with_supported, raise_if_missing
+from .shims import CompatError, Missing, call_with_supported, missing_methods, raise_if_missing
 
 logger = logging.getLogger("vllm.ascend_spec.ascend")  # manifest: ignore (our logger name)
 
@@ -201,18 +201,7 @@ ASCEND_PROPOSER_METHODS: dict[str, tuple[str, ...]] = {
 
 def probe_ascend_proposer_api(base: type) -> list[Missing]:
     """Check ``AscendEagleProposer``'s methods before an enabled adapter relies on them."""
-    missing: list[Missing] = []
-    for method, needs in ASCEND_PROPOSER_METHODS.items():
-        fn = getattr(base, method, None)
-        if fn is None:
-            missing.append(Missing(f"{PROPOSER}.{method}", "method not found", f"AscendEagleProposer.{method}"))
-            continue
-        params = inspect.signature(fn).parameters
-        lacking = [p for p in needs if p not in params]
-        if lacking:
-            missing.append(Missing(f"{PROPOSER}.{method}", f"parameter(s) {lacking} not in {list(params)}",
-                                   f"AscendEagleProposer.{method}"))
-    return missing
+    return missing_methods(base, ASCEND_PROPOSER_METHODS, PROPOSER, "AscendEagleProposer")
 
 
 @covers("ascend_propose_num_spec_tokens")

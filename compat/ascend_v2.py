@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from .ascend_context import AscendNpuContextMixin
 from .manifest import covers
 from .settings import ADDITIONAL_CONFIG_KEY
-from .shims import CompatError, Missing
+from .shims import CompatError, Missing, missing_methods
 from .speculator_v2 import AscendSpecV2Mixin, build_speculator_class
 
 #: vllm-ascend's V2 speculator classes ``init_speculator`` returns for DeepSeek's MTP, by release
@@ -41,18 +40,7 @@ ASCEND_V2_METHODS: dict[str, tuple[str, ...]] = {
 @covers("ascend_v2_speculator")
 def probe_ascend_v2_api(base: type) -> list[Missing]:
     """Check vllm-ascend's V2 speculator class before the adapter relies on it."""
-    missing: list[Missing] = []
-    for method, needs in ASCEND_V2_METHODS.items():
-        fn = getattr(base, method, None)
-        if fn is None:
-            missing.append(Missing(f"{base.__name__}.{method}", "method not found", f"AscendV2Speculator.{method}"))
-            continue
-        params = inspect.signature(fn).parameters
-        lacking = [p for p in needs if p not in params]
-        if lacking:
-            missing.append(Missing(f"{base.__name__}.{method}", f"parameter(s) {lacking} not in {list(params)}",
-                                   f"AscendV2Speculator.{method}"))
-    return missing
+    return missing_methods(base, ASCEND_V2_METHODS, base.__name__, "AscendV2Speculator")
 
 
 class AscendSpecNpuV2Mixin(AscendNpuContextMixin, AscendSpecV2Mixin):
