@@ -109,14 +109,14 @@ class AscendSpecV2Mixin(DraftCoreMixin):
         t0 = time.perf_counter()
         b = input_batch.num_reqs
         reason = self._fallback_reason(k, aux_hidden_states, input_batch, bool(is_profile), mm_inputs, dp_synced)
+        spans = input_batch.num_scheduled_tokens[:b]  # host (numpy): the runner's own schedule
+        decode = bool((spans == 1 + self._draft_k).all())
         if reason is None and dummy_run:
             self._inert_draft(b)
             self.draft_tokens[:b].zero_()
             out = self.draft_tokens[:b]
         elif reason is None:
-            spans = input_batch.num_scheduled_tokens[:b]  # host (numpy): the runner's own schedule
             width = max(int(spans.max()), 1 + self._draft_k)
-            decode = bool((spans == 1 + self._draft_k).all())
             with self._draft_context(b, width):
                 draft = self._propose_ours(input_batch, slot_mappings, last_hidden_states, num_sampled,
                                            num_rejected, last_sampled, next_prefill_tokens, width, decode)
@@ -129,8 +129,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             st.dummy_calls += 1
             st.dummy_seconds += time.perf_counter() - t0
         else:
-            spans = input_batch.num_scheduled_tokens[:b]
-            self._count_call(time.perf_counter() - t0, bool((spans == 1 + self._draft_k).all()), reason)
+            self._count_call(time.perf_counter() - t0, decode, reason)
         return out
 
     def _fallback_reason(self, k: int | None, aux_hidden_states: Any, input_batch: Any, is_profile: bool,
