@@ -39,7 +39,7 @@ CONFIGS = (("dense-tp1", "dense", 1), ("dense-tp2", "dense", 2), ("moe-tp2", "mo
 MARKERS = ("<!-- drafter-summary -->", "<!-- /drafter-summary -->", "<!-- drafter-table -->", "<!-- /drafter-table -->")
 
 
-def _vllm_config(tp: int) -> types.SimpleNamespace:
+def _vllm_config() -> types.SimpleNamespace:
     spec = types.SimpleNamespace(method="mtp", num_speculative_tokens=K, draft_sample_method="greedy",
                                  use_step3p5_mtp=lambda: False)
     extra = {"ascend_spec": {"enabled": True, "graph_failure": "raise"},
@@ -49,8 +49,7 @@ def _vllm_config(tp: int) -> types.SimpleNamespace:
         additional_config=extra, speculative_config=spec, use_v2_model_runner=False,
         model_config=types.SimpleNamespace(max_model_len=256, dtype=torch.bfloat16, quantization=None),
         scheduler_config=types.SimpleNamespace(max_num_seqs=2),
-        parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0,
-                                              tensor_parallel_size=tp))
+        parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
 
 
 def _build_drafter(model_dir: Path, tp: int, group) -> None:
@@ -64,7 +63,7 @@ def _build_drafter(model_dir: Path, tp: int, group) -> None:
 
     ours = load_model(model_dir, dtype="bfloat16", part="mtp")
     cfg = ours.cfg
-    d = sd.get_spec_decode_method("mtp", _vllm_config(tp), "cpu", None)
+    d = sd.get_spec_decode_method("mtp", _vllm_config(), "cpu", None)
     d._ascend_tp, d._ascend_block_size = tp, BLOCK
     d._ascend_model = mtp_model_on_vllm(vllm_mtp_standin.deepseek_mtp(ours, tp, 0, group), cfg, tp,
                                         torch.device("cpu"), d._moe_context(), opaque_moe=False)  # as on an NPU

@@ -21,6 +21,8 @@ communication variants (MC2 dispatch/combine, all-to-all) and its expert shardin
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +40,9 @@ def fake_tp_group(world_size: int) -> torch.distributed.ProcessGroup:
     return torch.distributed.group.WORLD
 
 
-def _communicator(group: torch.distributed.ProcessGroup | None):
+def _communicator(group: torch.distributed.ProcessGroup | None) -> Any:
+    """vLLM's ``DeviceCommunicatorBase`` on ``group`` (what vllm-ascend's ``NPUCommunicator`` inherits its
+    all-reduce and all-gather from); None for one rank."""
     if group is None:
         return None
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
@@ -59,7 +63,7 @@ class ParallelLinear(nn.Module):
     """A vLLM ``LinearBase`` with the unquantised method on this rank's ``weight`` shard; a row-parallel one
     (``comm`` given) all-reduces its output."""
 
-    def __init__(self, weight: torch.Tensor, comm=None) -> None:
+    def __init__(self, weight: torch.Tensor, comm: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.comm = comm
@@ -72,7 +76,7 @@ class ParallelLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """``VocabParallelEmbedding``: rows ``[start, start + shard)`` of the vocabulary on this rank."""
 
-    def __init__(self, weight: torch.Tensor, start: int, comm=None) -> None:
+    def __init__(self, weight: torch.Tensor, start: int, comm: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.start, self.end, self.comm = start, start + weight.shape[0], comm
@@ -96,7 +100,7 @@ class LMHead(nn.Module):
 class LogitsProcessor(nn.Module):
     """``LogitsProcessor(head, hidden)``: this rank's logits, all-gathered along the vocabulary, padding cut."""
 
-    def __init__(self, vocab_size: int, comm=None) -> None:
+    def __init__(self, vocab_size: int, comm: Any = None) -> None:
         super().__init__()
         self.vocab_size, self.comm = vocab_size, comm
 
@@ -110,7 +114,7 @@ class LogitsProcessor(nn.Module):
 class DenseMLP(nn.Module):
     """``DeepseekV2MLP``: merged gate/up (column-parallel), vllm-ascend's ``SiluAndMul``, row-parallel down."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm=None) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm: Any = None) -> None:
         super().__init__()
         self.gate_up_proj = ParallelLinear(gate_up)
         self.down_proj = ParallelLinear(down, comm)
@@ -124,7 +128,7 @@ class DenseMLP(nn.Module):
 class MoE(nn.Module):
     """``DeepseekV2MoE``: router, routed and shared experts (ours, on torch_npu's fused ops), then the TP reduce."""
 
-    def __init__(self, ours: nn.Module, comm=None) -> None:
+    def __init__(self, ours: nn.Module, comm: Any = None) -> None:
         super().__init__()
         ours.npu_ops = True
         self.inner, self.comm = ours, comm
