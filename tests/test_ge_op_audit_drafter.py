@@ -67,6 +67,8 @@ def _build_drafter(model_dir: Path, tp: int, group) -> None:
     d._ascend_tp, d._ascend_block_size = tp, BLOCK
     d._ascend_model = mtp_model_on_vllm(vllm_mtp_standin.deepseek_mtp(ours, tp, 0, group), cfg, tp,
                                         torch.device("cpu"), d._moe_context(), opaque_moe=False)  # as on an NPU
+    # vllm-ascend's lm_head and embedding are its own classes: no vocabulary-parallel greedy head, logits gathered
+    assert d._ascend_model.greedy_head is None
     d._build_ascend(allocate_latent_cache("pair", NUM_BLOCKS, BLOCK, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
                                           torch.bfloat16, "cpu"))
     assert d.ascend_stats.backend == "torchair" and d.ascend_stats.buckets == [2], d.ascend_stats
