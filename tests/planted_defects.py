@@ -66,6 +66,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``ge_unconverted_op``: the fused step draws Exp(1) noise inside the graph (``exponential_``, whose torchair
   converter only raises) and adds it, times zero, to the next start positions. Fails
   ``test_ge_op_audit.py::test_every_op_converts`` (``aten.exponential.default``: not implemented).
+- ``ge_unconverted_op_drafter``: the vLLM drafter's wrapper of vLLM's linear layers (``host_weights._linear``) draws
+  Exp(1) noise and adds it, times zero, to the layer's output. Fails
+  ``test_ge_op_audit_drafter.py::test_every_drafter_op_converts`` (``aten.exponential.default``: not implemented).
 """
 from __future__ import annotations
 
@@ -385,3 +388,24 @@ def ge_unconverted_op() -> None:
         return spec_step
 
     fused_step.make_spec_step = make_spec_step
+
+
+@_plant
+def ge_unconverted_op_drafter() -> None:
+    from ascend_spec.compat import host_weights
+
+    original = host_weights._linear
+
+    def _linear(layer, name):
+        wrapped = original(layer, name)
+        forward = wrapped.fn
+
+        def noisy(x):
+            out = forward(x)
+            noise = torch.empty(out.shape, dtype=torch.float32, device=out.device).exponential_()
+            return out + (0 * noise).to(out.dtype)  # the defect: no GE converter
+
+        wrapped.fn = noisy
+        return wrapped
+
+    host_weights._linear = _linear

@@ -170,5 +170,6 @@ def test_the_table_lists_what_the_graphs_hold(audited):
         start, end = text.index("<!-- summary -->") + len("<!-- summary -->"), text.index("<!-- /summary -->")
         TABLE.write_text(text[:start] + "\n" + _summary(graphs, rows) + "\n" + text[end:])
     documented = TABLE.read_text()
+    documented = documented[documented.index("<!-- table -->"):documented.index("<!-- /table -->")]  # its own table
     missing = [line for line in table.splitlines()[2:] if line not in documented]
     assert not missing, "ops not in docs/ge-op-audit.md (review, then regenerate):\n" + "\n".join(missing)
