@@ -113,7 +113,7 @@ class KPolicy:
 
     k_max: int
     adaptive: bool
-    #: nominal batch buckets (``TorchairGraphConfig.batch_sizes``): the units adaptive K is chosen for
+    #: nominal batch buckets (``GraphModeConfig.batch_sizes``): the units adaptive K is chosen for
     batch_sizes: tuple[int, ...]
     #: the one-graph step is on (``EngineConfig.fused_step``): it applies to batches up to the largest bucket
     fused_step: bool = True
@@ -142,7 +142,7 @@ class KPolicy:
         self.learning_steps = 0
         self.costs.restart()
 
-    def bucket_for(self, batch: int) -> int | None:
+    def nominal_bucket(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests; None above the largest."""
         i = bisect.bisect_left(self.batch_sizes, batch)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
@@ -154,7 +154,7 @@ class KPolicy:
     def plan(self, running: list[Sequence], warm: DeferredGraphs | None) -> StepK:
         """The next decode step's K and bucket for ``running``; the step-by-step path always drafts K_max.
         ``warm``: the runner's warm-up, which compiles a K it deferred when the policy first picks it."""
-        bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
+        bucket = self.nominal_bucket(len(running)) or self.batch_sizes[-1]
         if not self.fused_applies(running):
             return StepK(self.k_max, bucket, fused=False)
         assert warm is not None, "a fused step's K is chosen against the runner's warm-up"

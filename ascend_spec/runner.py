@@ -144,9 +144,9 @@ class ModelRunner:
         """Block-table columns a step reaching ``longest_tokens`` passes (``inputs.table_width``)."""
         return self.parts.width_for(longest_tokens)
 
-    def bucket_for(self, batch: int) -> int | None:
+    def nominal_bucket(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""
-        return self.k_policy.bucket_for(batch)
+        return self.k_policy.nominal_bucket(batch)
 
     def rows_for(self, batch: int) -> int | None:
         """Graph rows for ``batch`` requests, at any K (:meth:`.warmup.GraphWarmup.rows_for`: a lone request's
@@ -214,7 +214,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         running = plan.running
         b = len(running)
-        fitted = self.bucket_for(b)
+        fitted = self.nominal_bucket(b)
         # a preemption since the plan may have moved the batch to another bucket: its K was not asked for this one
         planned = fitted == plan.bucket
         full = planned and fitted == b  # the live rows fill their bucket

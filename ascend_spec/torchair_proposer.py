@@ -56,7 +56,7 @@ class MtpTorchairProposer(MtpProposer):
         """Tokens the draft of ``batch`` requests × ``query`` tokens runs per forward pass: the first pass (the
         graph's rows × width, or the call's own where it runs eagerly) and each chained step 2..K (one per row)."""
         first = self.graph.tokens_for(batch, query)
-        rows = self.graph.bucket_for(batch) if self.graph.serves(batch, query) else None
+        rows = self.graph.rows_for(batch) if self.graph.serves(batch, query) else None
         return first, rows or batch
 
     def warm_steps(self, why: str = "the draft chain") -> list[WarmStep]:

@@ -135,7 +135,7 @@ class GraphWarmup:
         first batch of several: a draining queue's last request)."""
         if batch == 1 and self.shapes.dynamic_batch and 1 in self.parts.batch_sizes and self.lone:
             return 1
-        return self.parts.target_graph.bucket_for(batch)
+        return self.parts.target_graph.rows_for(batch)
 
     def prompts_unwarmed(self, prompts: int | None) -> bool:
         """A warm-up for a run of ``prompts`` prompts (None: unknown) compiles the prompt graphs, not yet warm."""

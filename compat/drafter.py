@@ -197,7 +197,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             hidden = target_hidden_states[:n].view(b, q, -1)
             slots = f.slot_mapping[:n].view(b, q).long()
             sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
-            if self._ascend.graph.bucket_for(b) is None:
+            if self._ascend.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:
                 self.ascend_stats.graph_calls += 1

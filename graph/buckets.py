@@ -144,7 +144,7 @@ class BucketedGraph:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def bucket_for(self, batch: int) -> int | None:
+    def rows_for(self, batch: int) -> int | None:
         """Rows the graph runs for ``batch`` requests; None above the largest bucket (eager)."""
         if batch > self.max_size:
             return None
@@ -166,12 +166,12 @@ class BucketedGraph:
 
     def serves(self, batch: int, query: int | None = None) -> bool:
         """Whether ``batch`` requests (× ``query`` tokens each, on a graph with a query axis) replay a graph."""
-        return self.bucket_for(batch) is not None and (query is None or self.query_for(query) is not None)
+        return self.rows_for(batch) is not None and (query is None or self.query_for(query) is not None)
 
     def tokens_for(self, batch: int, query: int) -> int:
         """Tokens a call of ``batch`` requests × ``query`` tokens each runs: the graph's padded rows × width, or
         the call's own where it runs eagerly (a forward context sized for the draft must say this)."""
-        rows = self.bucket_for(batch)
+        rows = self.rows_for(batch)
         width = self.query_for(query) if self.dims.query else query
         return batch * query if rows is None or width is None else rows * width
 
@@ -218,7 +218,7 @@ class BucketedGraph:
                                 "None (this graph's attention reads the device lengths)"))
         if host_lengths is not None:
             static_inputs = (*static_inputs, tuple(host_lengths))
-        bucket = self.bucket_for(b)
+        bucket = self.rows_for(b)
         query = batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None
         width = None if query is None else self.query_for(query)
         if bucket is None:

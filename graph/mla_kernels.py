@@ -160,7 +160,7 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
     b, q_len, h, c = q_lat.shape
     kv_c, kv_pe = cache
     if not (kv_c.is_contiguous() and kv_pe.is_contiguous()):
-        raise ValueError("npu_mla takes contiguous nope / rope caches (vllm-ascend's layout); this cache is a fused "
+        raise ValueError("npu_mla takes contiguous nope / rope caches (vllm-ascend's layout); this cache is a single "
                          "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
     # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
     # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by
