@@ -96,8 +96,7 @@ class ModelRunner:
             self.backend, self._target_eager, "target", self.batch_sizes, TARGET_BATCH_ARGS,
             host_lengths=model.takes_host_lengths))
         # Prompts replay a graph too (a query axis: dynamic on CPU, padded to a few widths where graphs replay one
-        # shape): a lone 20-token prompt of the bundled model took 23 ms eagerly, 15 ms as a graph (2-core CPU),
-        # about two decode steps of a batch of 8, and speculating requests finish apart and join one by one.
+        # shape): speculating requests finish apart and are prefilled one by one, each costing an eager forward.
         self.prefill_eager = make_prefill_step(model)
         self.prefill_graph: BucketedGraph | None = None
         if g.prefill_query_widths:
