@@ -239,8 +239,7 @@ class ModelRunner:
                 stats.k_switches += 1
                 between = None  # what ran before a switch belongs to the K that ran then
                 # A change of K pays a rebuild (and, out of K = 0, the MTP catch-up): a cost of switching, which
-                # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
-                # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
+                # SWITCH_MARGIN weighs, not of running at K; counted in, it would price an explored K too dear.
                 t_cost = time.perf_counter()
                 switch = t_cost - t0
                 stats.switch_seconds += switch

@@ -74,7 +74,7 @@ class RMSNorm(nn.Module):
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose shapes-only (meta) build skips the random init: any op on a meta tensor imports
-    torch's Python meta kernels, about 2 s of a start-up that then loads every weight anyway."""
+    torch's Python meta kernels, seconds of a start-up that then loads every weight anyway."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
