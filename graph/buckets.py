@@ -1,4 +1,5 @@
-"""Batch buckets: padded batch sizes whose graphs are replayed every step.
+"""Batch buckets: padded batch sizes whose graphs are replayed every step, and the warm-up steps that replay them.
+``BucketedGraph.rows_for`` gives the graph rows a batch runs; the nominal bucket is the K policy's.
 
 Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
 fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
@@ -13,12 +14,9 @@ one compile serves every width; where a graph replays one recorded shape (per-sh
 query pads with inert tokens (each argument's pad value) up to the next of ``query_widths``, one graph or capture
 per bucket and width. Wider queries run eagerly.
 
-A compiled graph that raises (a backend or runtime fault, at compile or replay) follows the backend's
-``graph_failure`` policy. ``eager`` (the users' default): that step reruns on the eager reference, which computes
-the same outputs and rewrites the same cache slots with the same values (whatever the failed graph wrote is
-overwritten), so no token changes; the first failure of a bucket logs a warning with its traceback, every failure
-is counted in ``failures``. ``raise`` (the test suite and CI): the failure is raised, so no check can pass on the
-eager reference while the graphs it meant to test fail.
+A compiled graph that raises, at compile or replay, follows the backend's ``graph_failure`` policy
+(``note_graph_failure``; docs/design.md, "Graph failure policy"): rerun the step eagerly, which rewrites the same
+cache slots with the same values, or raise.
 """
 from __future__ import annotations
 
