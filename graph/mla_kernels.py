@@ -13,11 +13,8 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
   live request reads, not ``max_model_len``.
 - :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row
-  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; compiled, no backend
-  can use it yet: on CPU (torch 2.13) its output is wrong, and on CUDA (torch 2.11, H100) the Triton template
-  cannot take MLA's 576-wide keys (shared memory overflows at the default tiles; a 1-3 token query block is not
-  a multiple of its 16-row tile; with both forced, the output is wrong). Kept, with its eager test, for when a
-  torch release compiles it.
+  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; no backend compiles
+  it correctly yet (docs/design.md, "Shapes"), so it is kept with its eager test for a torch release that does.
 - :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` as vllm-ascend's speculative MLA decode calls
   it (``vllm_ascend/attention/mla_v1.py`` ``_forward_decode``; ``torchair/torchair_mla.py`` up to v0.11.0):
   contiguous latent / rope caches as ``key``/``value`` and ``key_rope`` (``[blocks, 1, block, C | R]``), query
