@@ -1,24 +1,10 @@
 """The model runner: runs the scheduler's plan (:meth:`ModelRunner.run`) on its compiled graphs — a prefill
 (:mod:`.chunks`), or one decode step, fused here or step by step (:mod:`.step_by_step`).
 
-One step (speculative, padded — docs/design.md's data flow):
-1. target forward of ``B`` requests × ``(1+K)`` tokens
-2. rejection sampler → ``sampled [B, K+1]`` with -1 placeholders
-3. ``prepare_next_token_ids_padded`` → next token and valid count per request
-4. the last accepted index per request, ``valid - 1`` in rows padded to ``1+K`` (no compaction)
-5-6. the proposer drafts K tokens for the next step
-The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_step`; the state is
-``inputs.DeviceBatch``); the step-by-step path (``fused_step=False``) runs the target graph, sampling and the
-draft graph as separate calls. vLLM's unpadded drafter layout (``disable_padded_drafter_batch``) is a variant of
-step 4 on either path: each row's rejected tokens made inert on device (``spec_decode.compact_rejected``) at the
-same width, so the same graph shapes replay. Either way 1-6 run without host syncs; afterwards one transfer brings
-the step's tokens to the host. The runner returns tokens; appending them and finishing requests is the
-scheduler's business. Which graphs are compiled before the first step, and which wait for their first use, is
-:mod:`.warmup`'s.
-
-Graph keys: (K, sampling mode, logprobs) — the batch bucket too only where the backend compiles per shape.
-The block table is data; on CPU it is trimmed to the live blocks of the batch's longest request, so a step
-costs what the live context costs, whatever ``max_model_len`` is.
+Invariants (docs/design.md, "Data flow of one decode step"): a decode step runs without host syncs and ends in
+one device → host transfer; the device batch is rebuilt only when rows, K, sampling mode or logprobs change, and a
+grown block table is replaced, never written in place; the runner returns tokens and never touches a request's
+lifecycle (the scheduler's).
 """
 from __future__ import annotations
 
