@@ -11,43 +11,37 @@ import math
 from dataclasses import dataclass, field
 
 # Each constant's reason and the runs that set it: docs/performance.md, "Tuned constants".
-#: steps between explorations of another K
+# Explorations: every EXPLORE_EVERY steps (while K = 0 runs, EXPLORE_ROW_STEPS × bucket at most), EXPLORE_STEPS
+# steps at another K; a lower K trailing by FAR_EXPLORE_GAP only one lap in FAR_EXPLORE_LAPS; changes of K they
+# cause stay within EXPLORE_SHARE of the run.
 EXPLORE_EVERY = 64
-#: a lower K trailing the running one by more than this share is explored one lap in FAR_EXPLORE_LAPS
+EXPLORE_ROW_STEPS = 16
+EXPLORE_STEPS = 2
 FAR_EXPLORE_GAP = 0.15
 FAR_EXPLORE_LAPS = 4
-#: while K = 0 runs, a bucket of b rows explores every EXPLORE_ROW_STEPS × b steps at most
-EXPLORE_ROW_STEPS = 16
-#: an exploration: one step drafts, one verifies
-EXPLORE_STEPS = 2
-#: weight of one steady step in every K's figure of its bucket
+EXPLORE_SHARE = 0.05
+# Figures: a steady step weighs COST_SMOOTHING in every K's; an explored K's n-th step 1/n down to
+# EXPLORE_SMOOTHING; a step counts at most OBSERVE_CLIP × its K's cost (one stall must not move them far).
 COST_SMOOTHING = 0.2
-#: floor of an explored K's n-th step weight 1/n
 EXPLORE_SMOOTHING = 0.2
-#: steady steps after a takeover that move the new K's own figure, not every K's
+OBSERVE_CLIP = 1.5
+# Takeovers and trials: the first TAKEOVER_STEPS steady steps of a new K move its own figure only; a drafting K
+# within TRIAL_GAP, priced on explorations, runs TRIAL_STEPS in a row, at most once in TRIAL_EVERY steps.
 TAKEOVER_STEPS = 16
-#: a drafting K within this share of the running one, priced on explorations, runs a trial
 TRIAL_GAP = 0.10
 TRIAL_STEPS = TAKEOVER_STEPS
-#: steps between the starts of two trials
 TRIAL_EVERY = 512
-#: a step counts at most this multiple of its K's running cost (one stall must not move the figures far)
-OBSERVE_CLIP = 1.5
-#: another K must yield this much more per second to replace the running one (each change costs a rebuild)
+# Margins: another K must yield SWITCH_MARGIN more per second (K = 0: STOP_MARGIN / bucket, at least that), plus
+# a change's cost (its figure weighted SWITCH_SMOOTHING) repaid over SWITCH_HORIZON steps.
 SWITCH_MARGIN = 0.05
-#: K = 0 must yield this / bucket more (at least SWITCH_MARGIN): only explorations correct a wrong K = 0
 STOP_MARGIN = 0.15
+SWITCH_HORIZON = 64
+SWITCH_SMOOTHING = 0.25
 #: pseudo-steps at the bucket's average each K's ``between`` average starts from (prefills come in lumps)
 BETWEEN_PRIOR_STEPS = 64
 #: first-position drafts verified, and steps run, before K = 0 is weighed and other K values explored
 LEARN_DRAFTS = 128
 LEARN_STEPS = 64
-#: share of the run explorations may spend on their changes of K
-EXPLORE_SHARE = 0.05
-#: steps over which a change of K must repay its cost
-SWITCH_HORIZON = 64
-#: weight of one change's time in a bucket's figure of what a change costs
-SWITCH_SMOOTHING = 0.25
 #: context warm-up times steps on: short, so a first figure errs low
 WARMUP_COST_CONTEXT = 64
 #: tokens/s share lost to rows finishing apart, per token a step yields beyond one
@@ -55,8 +49,7 @@ ROWS_APART_PER_TOKEN = 0.07
 
 
 def rows_apart_cost(bucket: int, tokens_per_step: float, in_step: float = 1.0) -> float:
-    """Share of a drafting K's tokens/s lost to rows finishing apart; ``in_step``: the share of rows plain decoding
-    would keep in step (rows whose budgets differ finish apart without drafts too)."""
+    """Share of a drafting K's tokens/s lost to rows finishing apart; ``in_step``: rows plain decoding keeps in step."""
     return in_step * ROWS_APART_PER_TOKEN * (tokens_per_step - 1) if bucket > 1 else 0.0
 
 
@@ -100,9 +93,8 @@ def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: i
 
 
 def interpolated_costs(measured: dict[int, float], ks: list[int]) -> dict[int, float]:
-    """Step costs of ``ks`` between K = 0 and K_max (both measured) on the line through them: a step's cost grows
-    no faster than linearly in K, so an interpolated K errs cheap. A K that looks best on it is compiled and timed
-    before it runs; one that does not is not worth a compile."""
+    """Step costs of ``ks`` on the line through K = 0 and K_max: a step's cost grows no faster than linearly in K,
+    so an interpolated K errs cheap (one that looks best is compiled and timed before it runs)."""
     k_max = max(measured)
     c0, c_max = measured[0], measured[k_max]
     return {k: c0 + (c_max - c0) * k / k_max for k in ks}
@@ -120,7 +112,7 @@ class AdaptiveK:
     k_max: int
     step_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     chosen: dict[int, int] = field(default_factory=dict)
-    #: per bucket and K: seconds between steps summed over the steps each K ran, and those steps' count
+    #: per bucket and K: seconds between steps summed over each K's steps, and their count
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
     #: explored steps per bucket and K since its figure last rested on its steady steps (which count as one)
@@ -162,9 +154,8 @@ class AdaptiveK:
         self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
 
     def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int], in_step: float = 1.0) -> int:
-        """The K ``bucket`` drafts while acceptance is learned: the best warm drafting K (K_max where none is
-        measured), kept as the incumbent. The first choice is the deepest none beats by ``SWITCH_MARGIN``: only
-        positions a K drafts are learned, and under the prior a lower K looks as good."""
+        """The K ``bucket`` drafts while acceptance is learned: the best warm drafting K, kept as the incumbent; first
+        the deepest none beats by ``SWITCH_MARGIN``, as only positions a K drafts are learned."""
         costs = self.step_seconds.get(bucket, {})
         drafting = {j: c + self.between(bucket, j) for j, c in costs.items() if j and j not in deferred}
         if not drafting:
