@@ -1,117 +1,55 @@
-"""Adaptive K: per batch bucket, the number of drafts that gives the most tokens per second.
+"""Adaptive K: per batch bucket, the number of drafts K in 0..K_max with the most expected tokens per second.
+Step costs come from warm-up and the run's own steps; acceptance from the K policy's running window.
 
-With per-position acceptance a_1..a_K, a step yields ``1 + Σ_j Π_{i≤j} a_i`` tokens and costs
-``step_seconds[K]``: measured at warm-up (the same fused graphs on an inert batch at a short context, K values
-interleaved), then followed by the run's own steps (graph and host; prefills are left out of a step's cost).
-
-- What moves every K alike (the machine's drift, the host's share) is followed by the running K: each of its steps
-  scales the bucket's figures, so K values that do not run keep no stale warm-up figures.
-- What sets one K apart is measured by explorations: every ``EXPLORE_EVERY`` steps a bucket runs two steps at
-  another K, each K in turn (one drafts, one verifies); the second moves that K's own figure (the first such step
-  replaces its warm-up figure, later ones are averaged; a K that ran counts its steady figure as one such step, as
-  others' takeovers and drift leave it stale). A lower K trailing the running one far
-  (``FAR_EXPLORE_GAP``) is explored on one of its turns in ``FAR_EXPLORE_LAPS``: all it can learn is its cost.
-- What runs between steps (prefills, the engine's loop) is averaged per bucket and K (``between``), drawn towards
-  the bucket's average over every K, and added to a step's figure when K is chosen: it differs by K and does not
-  follow the drift.
-- A running K gives way only to one expected to yield ``SWITCH_MARGIN`` more per second (no flip-flopping at a
-  threshold). What a change of K costs (rebuild, catch-up) is timed apart per bucket, widens the margin and
-  spaces explorations; the step after a change moves no figure (it runs on the caches the other K left). A K
-  that takes over from or to K = 0 on a figure warm-up or explorations set corrects it on its first
-  ``TAKEOVER_STEPS`` steady steps, then scales every K's; one back on a figure its own steady steps set scales
-  every K's from the first (drift they all share must not push it under the K it took over from).
-- A drafting K near the running one on a figure explorations set runs a trial of ``TRIAL_STEPS`` steps in a row every
-  ``TRIAL_EVERY`` steps at most, correcting its own figure as a K that took over does; then the K it interrupted
-  is the incumbent again, which the tried K must beat by the margin. A drafting K that would take over from
-  another on such a figure runs a trial first as well: kept on as the incumbent, it held on by the margin.
-- Until ``LEARN_DRAFTS`` drafts are verified over ``LEARN_STEPS`` steps at least, a bucket drafts at its best warm
-  drafting K (first the deepest within ``SWITCH_MARGIN`` of it: it learns the most positions) and explores
-  nothing: K = 0 would learn nothing, and the K it drafts is then the incumbent the rest of the run must beat.
-  Its figures weigh a position offered few drafts (``k_policy.LEARN_POSITION_DRAFTS``) at the rate of the one
-  before: a step down stops drafting it.
-- A drafting K is discounted by ``rows_apart_cost``: a bucket's rows finish apart when it speculates, a cost no
-  step's time shows, in the share of its rows that plain decoding would keep in step (``in_step``). A K = 0 step
-  reserves no draft room (the scheduler asks the K policy before it makes room).
-- K = 0 is what the policy learns least about: it must win by ``stop_margin(bucket)``, acceptance is a recent
-  window (``k_policy.ACCEPTANCE_WINDOW``) that each K = 0 step ages as a draft would, and small buckets explore
-  more often while it runs (``explore_every``).
-
-The runs behind each rule and constant: docs/performance.md, "Adaptive K"; what the rules cost in a known world:
-tools/sim_k_policy.py.
+Invariants: steady steps scale every K's figure (shared drift), and only explorations, trials and a takeover's
+first steps move one K's own; the step after a change of K moves none; a running K gives way only to one ahead
+by a margin. Terms: docs/design.md, "Glossary"; rules and constants: docs/performance.md, "Tuned constants".
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-#: steps between explorations of another K (each costs two steps at a K that may not pay)
+# Each constant's reason and the runs that set it: docs/performance.md, "Tuned constants".
+# Explorations: every EXPLORE_EVERY steps (while K = 0 runs, EXPLORE_ROW_STEPS × bucket at most), EXPLORE_STEPS
+# steps at another K; a lower K trailing by FAR_EXPLORE_GAP only one lap in FAR_EXPLORE_LAPS; changes of K they
+# cause stay within EXPLORE_SHARE of the run.
 EXPLORE_EVERY = 64
-#: a K below the running one whose expected tokens/s trail its own by more than this share is explored on one
-#: turn in ``FAR_EXPLORE_LAPS`` only: such an exploration measures its step cost alone (the running K verifies
-#: every position it drafts), and out of K = 0 it pays the MTP catch-up on top (batch 1: K = 0 trailed by 22-25%)
+EXPLORE_ROW_STEPS = 16
+EXPLORE_STEPS = 2
 FAR_EXPLORE_GAP = 0.15
 FAR_EXPLORE_LAPS = 4
-#: ... or, while K = 0 runs in a small bucket, this × bucket steps: out of K = 0 acceptance is learned only there
-EXPLORE_ROW_STEPS = 16
-#: consecutive steps an exploration takes: one to draft, one to verify
-EXPLORE_STEPS = 2
-#: weight of one step of the running K: it scales every K's figure of its bucket (drift they all share)
+EXPLORE_SHARE = 0.05
+# Figures: a steady step weighs COST_SMOOTHING in every K's; an explored K's n-th step 1/n down to
+# EXPLORE_SMOOTHING; a step counts at most OBSERVE_CLIP × its K's cost (one stall must not move them far).
 COST_SMOOTHING = 0.2
-#: an explored K's n-th measured step weighs 1/n down to this: the first replaces the warm-up figure, later ones
-#: average out one step's noise instead of following it. A K's own steady figure counts as one measured step: it
-#: goes stale once the K stops running (batch 4, mixed lengths: K = 2 stayed priced 30% over three explorations of
-#: 11.4-12.4 ms for rounds, each moving it by this floor)
 EXPLORE_SMOOTHING = 0.2
-#: steady steps of a K that has just taken over that move its own figure, not every K's: it was priced on
-#: explorations, single steps among another K's, which ran under its steady steps (batch 1: K = 3 at 8.2 ms
-#: explored, 9.0 ms in a run of its own), so scaling every K by them kept the error and held the K for hundreds of
-#: steps
+OBSERVE_CLIP = 1.5
+# Takeovers and trials: the first TAKEOVER_STEPS steady steps of a new K move its own figure only; a drafting K
+# within TRIAL_GAP, priced on explorations, runs TRIAL_STEPS in a row, at most once in TRIAL_EVERY steps.
 TAKEOVER_STEPS = 16
-#: a drafting K near the running one (expected tokens/s within this share below it, or above it by less than the
-#: switch margin) whose figure rests on explorations runs a trial: ``TRIAL_STEPS`` steps in a row, which price it
-#: as its own steady steps do. Explored steps run among another K's and miss that figure either way (batch 4,
-#: mixed lengths: K = 2 explored at 14.0 ms, 11.2 on its own steps). Not K = 0: it must beat a drafting K by
-#: ``stop_margin``, more than a trial this near shows at a bucket of one, and its steps age the acceptance
 TRIAL_GAP = 0.10
 TRIAL_STEPS = TAKEOVER_STEPS
-#: steps of a bucket between the starts of two trials: at most TRIAL_GAP × TRIAL_STEPS / TRIAL_EVERY of a run
 TRIAL_EVERY = 512
-#: a step counts at most this multiple of its K's running cost: one stalled step must not move the figures far
-OBSERVE_CLIP = 1.5
-#: a running K gives way only to one expected to yield this much more per second: each change costs a rebuild
+# Margins: another K must yield SWITCH_MARGIN more per second (K = 0: STOP_MARGIN / bucket, at least that), plus
+# a change's cost (its figure weighted SWITCH_SMOOTHING) repaid over SWITCH_HORIZON steps.
 SWITCH_MARGIN = 0.05
-#: ... and a lone request leaves speculation only for this much more (a bucket of b rows: this / b, at least
-#: SWITCH_MARGIN): a wrong K = 0 is corrected only by explorations, and the return pays a catch-up
 STOP_MARGIN = 0.15
-#: pseudo-steps at the bucket's average over every K that each K's ``between`` average starts from: prefills come
-#: in lumps, and a K explored on a few steps must not be priced as if nothing ran between its steps
-BETWEEN_PRIOR_STEPS = 64
-#: first-position drafts verified (at the best drafting K) before K = 0 is weighed and other K values explored:
-#: first tokens are a poor sample
-LEARN_DRAFTS = 128
-#: ... and decode steps run, at least: at batch b the first LEARN_DRAFTS drafts are the first LEARN_DRAFTS / b
-#: tokens of the first requests (8 at batch 16), the poorest a request drafts
-LEARN_STEPS = 64
-#: share of the run explorations may spend on their changes of K (two each)
-EXPLORE_SHARE = 0.05
-#: steps over which a change of K must repay its own cost when a running K gives way
 SWITCH_HORIZON = 64
-#: weight of one change of K's time in a bucket's running figure of what a change costs
 SWITCH_SMOOTHING = 0.25
-#: context (tokens) warm-up times steps on: short, so a K's first figure errs low rather than high
+#: pseudo-steps at the bucket's average each K's ``between`` average starts from (prefills come in lumps)
+BETWEEN_PRIOR_STEPS = 64
+#: first-position drafts verified, and steps run, before K = 0 is weighed and other K values explored
+LEARN_DRAFTS = 128
+LEARN_STEPS = 64
+#: context warm-up times steps on: short, so a first figure errs low
 WARMUP_COST_CONTEXT = 64
-
-
-#: share of a bucket's tokens/s, per token a step yields beyond plain decoding's one, that its rows finishing apart
-#: cost (uneven drain, one-by-one prefills, padded attention): the more a step advances a row, the further apart
+#: tokens/s share lost to rows finishing apart, per token a step yields beyond one
 ROWS_APART_PER_TOKEN = 0.07
 
 
 def rows_apart_cost(bucket: int, tokens_per_step: float, in_step: float = 1.0) -> float:
-    """Share of a drafting K's expected tokens/s that rows finishing apart cost a bucket of ``bucket`` rows whose
-    steps yield ``tokens_per_step`` a row, ``in_step`` of which plain decoding would keep in step (requests of one
-    token budget): rows whose budgets differ finish apart without drafts too, and drafting costs them nothing
-    more that way."""
+    """Share of a drafting K's tokens/s lost to rows finishing apart; ``in_step``: rows plain decoding keeps in step."""
     return in_step * ROWS_APART_PER_TOKEN * (tokens_per_step - 1) if bucket > 1 else 0.0
 
 
@@ -121,9 +59,7 @@ def stop_margin(bucket: int) -> float:
 
 
 def explore_every(bucket: int, running: int, switch_steps: float = 0.0) -> int:
-    """Steps between explorations of a bucket of ``bucket`` rows running at K = ``running``, where a change of K
-    costs ``switch_steps`` of its steps: at least as many as keep the two changes an exploration makes within
-    ``EXPLORE_SHARE`` of the run."""
+    """Steps between explorations: enough to keep an exploration's two changes of K within ``EXPLORE_SHARE``."""
     every = EXPLORE_EVERY if running else min(EXPLORE_EVERY, EXPLORE_ROW_STEPS * bucket)
     return max(every, math.ceil(EXPLORE_STEPS * switch_steps / EXPLORE_SHARE))
 
@@ -146,11 +82,8 @@ def tokens_per_second(step_seconds: dict[int, float], acceptance: list[float], k
 
 def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: int | None = None,
              bucket: int = 1, switch_steps: float = 0.0, in_step: float = 1.0) -> int:
-    """The K with the most expected tokens per second in ``bucket``; ties go to the smaller K (cheaper when
-    acceptance drifts). With ``current`` (the K running now), another K must beat it by ``SWITCH_MARGIN``, and
-    K = 0 must beat a drafting K by ``stop_margin(bucket)``; either margin grows by what the change costs
-    (``switch_steps`` of the current K's steps) spread over ``SWITCH_HORIZON`` steps. ``in_step``: see
-    :func:`rows_apart_cost`."""
+    """The K with the most expected tokens/s; ties go to the smaller K. Another K must beat ``current`` by
+    ``SWITCH_MARGIN`` (K = 0: ``stop_margin``), plus the change's cost spread over ``SWITCH_HORIZON`` steps."""
     rate = {k: tokens_per_second(step_seconds, acceptance, k, bucket, in_step) for k in step_seconds}
     best = max(sorted(rate), key=lambda k: (rate[k], -k))
     margin = (stop_margin(bucket) if best == 0 and current else SWITCH_MARGIN) + switch_steps / SWITCH_HORIZON
@@ -160,10 +93,8 @@ def choose_k(step_seconds: dict[int, float], acceptance: list[float], current: i
 
 
 def interpolated_costs(measured: dict[int, float], ks: list[int]) -> dict[int, float]:
-    """Step costs of ``ks`` between K = 0 and K_max (both measured) on the line through them: the tokens a step
-    verifies and drafts grow with K, and the per-step work grows no faster (bundled model, batch 1: K = 0..3 at
-    3.33, 4.75, 6.23, 6.91 ms), so an interpolated K errs cheap. A K that looks best on it is compiled and timed
-    before it runs; one that does not is not worth a compile."""
+    """Step costs of ``ks`` on the line through K = 0 and K_max: a step's cost grows no faster than linearly in K,
+    so an interpolated K errs cheap (one that looks best is compiled and timed before it runs)."""
     k_max = max(measured)
     c0, c_max = measured[0], measured[k_max]
     return {k: c0 + (c_max - c0) * k / k_max for k in ks}
@@ -179,36 +110,26 @@ class AdaptiveK:
     """K per bucket from measured step costs and the running acceptance (``acceptance()``: a_1..a_Kmax)."""
 
     k_max: int
-    #: seconds of one fused step per bucket and K (warm-up measures them)
     step_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
-    #: the K each bucket chose last
     chosen: dict[int, int] = field(default_factory=dict)
-    #: seconds between two steps (prefills, the engine's loop) per bucket and K, summed over the steps each K ran,
-    #: and those steps' count
+    #: per bucket and K: seconds between steps summed over each K's steps, and their count
     between_seconds: dict[int, dict[int, float]] = field(default_factory=dict)
     between_steps: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: explored steps per bucket and K since its figure last rested on its own steady steps (which count as one):
-    #: an explored step's weight
+    #: explored steps per bucket and K since its figure last rested on its steady steps (which count as one)
     measured: dict[int, dict[int, int]] = field(default_factory=dict)
-    #: seconds a change of K costs per bucket (the batch rebuilt, the MTP catch-up out of K = 0): a running figure
     switch_seconds: dict[int, float] = field(default_factory=dict)
-    #: K values whose figures are interpolated (their graphs deferred at start-up): never explored; the runner
-    #: compiles and times one the policy picks
+    #: K values with interpolated figures (graphs deferred): never explored; compiled and timed when picked
     pending: set[int] = field(default_factory=set)
-    #: the K each bucket's last k_for gave as an exploration (None: its running K), until that step is observed
+    #: the K each bucket's last k_for gave as an exploration (None: its running K), until observed
     _exploring: dict[int, int | None] = field(default_factory=dict)
-    #: steps each bucket ran since its last exploration ended, and the explorations it made (whose turn is next)
     _since: dict[int, int] = field(default_factory=dict)
     _explorations: dict[int, int] = field(default_factory=dict)
-    #: the K each bucket's exploration window under way runs (None: this turn is skipped), chosen at its first step
+    #: the K of each bucket's exploration window under way (None: this turn is skipped)
     _window: dict[int, int | None] = field(default_factory=dict)
-    #: steady steps left per bucket in which the K that took over corrects its own figure (``TAKEOVER_STEPS``)
     _taking_over: dict[int, int] = field(default_factory=dict)
-    #: K values per bucket whose figure rests on their own steady steps (run, and not explored since)
     _steady: dict[int, set[int]] = field(default_factory=dict)
-    #: per bucket under a trial: the K it interrupted, and the trial's steps left to run
+    #: per bucket under a trial: the K it interrupted, and the steps left
     _trial: dict[int, tuple[int, int]] = field(default_factory=dict)
-    #: steps each bucket ran since its last trial began
     _since_trial: dict[int, int] = field(default_factory=dict)
 
     def restart(self) -> None:
@@ -217,8 +138,7 @@ class AdaptiveK:
         self._trial.clear()
 
     def between(self, bucket: int, k: int) -> float:
-        """Seconds a step of ``bucket`` at K = ``k`` is expected to wait on what runs between steps: its own steps'
-        average, drawn towards the bucket's average over every K by ``BETWEEN_PRIOR_STEPS`` pseudo-steps."""
+        """Expected seconds between steps at K = ``k``: its average, drawn towards the bucket's (``BETWEEN_PRIOR_STEPS``)."""
         sums, steps = self.between_seconds.get(bucket, {}), self.between_steps.get(bucket, {})
         pooled = sum(sums.values()) / sum(steps.values()) if steps else 0.0
         return (sums.get(k, 0.0) + BETWEEN_PRIOR_STEPS * pooled) / (steps.get(k, 0) + BETWEEN_PRIOR_STEPS)
@@ -234,11 +154,8 @@ class AdaptiveK:
         self.switch_seconds[bucket] = seconds if seen is None else seen + SWITCH_SMOOTHING * (seconds - seen)
 
     def learning_k(self, bucket: int, acceptance: list[float], deferred: set[int], in_step: float = 1.0) -> int:
-        """The K ``bucket`` drafts while acceptance is learned: the best drafting K for the figures so far among the
-        warm ones (not ``deferred``), K_max where none is measured. K = 0 would learn nothing, and explorations wait
-        for the acceptance they weigh; the choice is the bucket's incumbent, so it changes only for a better K.
-        The first choice goes to the deepest K that none beats by ``SWITCH_MARGIN``: only positions a K drafts
-        are learned, and under the prior (1/2 a position, which deep positions copy) a lower K looks as good."""
+        """The K ``bucket`` drafts while acceptance is learned: the best warm drafting K, kept as the incumbent; first
+        the deepest none beats by ``SWITCH_MARGIN``, as only positions a K drafts are learned."""
         costs = self.step_seconds.get(bucket, {})
         drafting = {j: c + self.between(bucket, j) for j, c in costs.items() if j and j not in deferred}
         if not drafting:
@@ -251,8 +168,7 @@ class AdaptiveK:
         return self.chosen[bucket]
 
     def k_for(self, bucket: int, acceptance: list[float], in_step: float = 1.0) -> int:
-        """This step's K for ``bucket``, ``in_step`` of whose rows plain decoding would keep in step (see
-        :func:`rows_apart_cost`)."""
+        """This step's K for ``bucket`` (``in_step``: see :func:`rows_apart_cost`)."""
         costs = self.step_seconds.get(bucket)
         if not costs:
             return self.k_max
@@ -287,9 +203,7 @@ class AdaptiveK:
             if tried is not None:
                 return self._start_trial(bucket, k, tried)
         if since > every - EXPLORE_STEPS:
-            # Explore the other K values in turn: each one's cost gets measured on this run's steps, and K_max's
-            # turns bring acceptance figures for every position. Counted from the last exploration, so a change
-            # of ``every`` (K = 0 explores more often) neither skips one nor runs two back to back.
+            # Counted from the last exploration, so a change of ``every`` neither skips one nor runs two back to back.
             if since == every - EXPLORE_STEPS + 1 or bucket not in self._window:
                 self._window[bucket] = self._explored(bucket, k, total, acceptance, in_step)
             explored = self._window[bucket]
@@ -310,8 +224,7 @@ class AdaptiveK:
 
     def _explored(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                   in_step: float) -> int | None:
-        """The K this exploration window of ``bucket`` runs (``total``: each K's step and between figures), or
-        None: a lower K trailing the running one by more than ``FAR_EXPLORE_GAP`` whose turn is not in its lap."""
+        """The K this exploration window runs, or None: a far-trailing lower K off its lap's turn."""
         others = [j for j in sorted(total) if j != running and j not in self.pending]
         if not others:
             return None
@@ -324,8 +237,7 @@ class AdaptiveK:
 
     def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                in_step: float) -> int | None:
-        """The K a trial of ``bucket`` runs now: the best drafting one near ``running`` (``TRIAL_GAP``) whose figure
-        is not its own steady steps', or None."""
+        """The best drafting K within ``TRIAL_GAP`` of ``running`` not priced by its own steady steps, or None."""
         steady = self._steady.get(bucket, set())
         rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in total
                 if j == running or (j and j not in steady and j not in self.pending)}
@@ -334,12 +246,8 @@ class AdaptiveK:
 
     def observe(self, bucket: int, k: int, seconds: float, between: float | None = None,
                 switched: bool = False) -> None:
-        """A step of ``bucket`` at K = ``k`` took ``seconds``, and ``between`` more since the step before (None: not
-        known, or K changed). An explored K's step moves its own figure, as do the first ``TAKEOVER_STEPS`` steady
-        steps of a K that took over; any other step's scales every K's figure (drift they share). ``between`` adds
-        to this K's own average of what runs between steps. The first step after a change of K (``switched``)
-        moves nothing: it runs on the caches the other K left, so its time is the change's, and an exploration's
-        first step would price its K too dear."""
+        """A step of ``bucket`` at K = ``k`` took ``seconds``, ``between`` more since the one before (None: unknown).
+        The first step after a change of K (``switched``) moves nothing: it runs on the caches the other K left."""
         costs = self.step_seconds.get(bucket)
         if costs is None or k not in costs:
             return

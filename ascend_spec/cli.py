@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import (GRAPH_FAILURE_POLICIES, ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig,
+from .config import (GRAPH_FAILURE_POLICIES, ConfigError, EngineConfig, SpeculativeConfig, GraphModeConfig,
                      load_yaml_config)
 from .graph.config import DTYPES
 from .model_info import add_inspect_parser
@@ -53,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks are taken as sequences grow, the newest request is preempted when they run out")
     g.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="tokens per KV block, a multiple of 16 (default 16; FlashMLA uses 64, vllm-ascend's MLA 128)")
-    g.add_argument("--kv-layout", choices=["fused", "pair"], default=None,
-                   help="KV cache layout: one 576-wide latent (fused, vLLM's) or nope and rope tensors apart "
-                        "(pair, vllm-ascend's); default fused")
+    g.add_argument("--kv-layout", choices=["single", "pair", "fused"], default=None,
+                   help="KV cache layout: one 576-wide latent (single, vLLM's; 'fused' is its former name) or nope and "
+                        "rope tensors apart (pair, vllm-ascend's); default single")
     g.add_argument("--config", type=Path, help="YAML with speculative_config and additional_config.torchair_graph_config")
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="decode without speculation")
@@ -122,7 +122,7 @@ def engine_config_from_args(args: argparse.Namespace, num_prompts: int | None = 
         # No more graph buckets than the batch can use: warm-up compiles each one.
         kwargs["max_num_seqs"] = min(16, num_prompts)
     return EngineConfig(speculative=None if args.no_spec else SpeculativeConfig.from_dict(spec),
-                        graph=TorchairGraphConfig.from_dict(graph), fused_step=not args.step_by_step,
+                        graph=GraphModeConfig.from_dict(graph), fused_step=not args.step_by_step,
                         adaptive_k=not (args.step_by_step if args.fixed_k is None else args.fixed_k),
                         warm_graphs="all" if args.compile_all else "first",
                         graph_failure=args.graph_failure, **kwargs)

@@ -1,18 +1,18 @@
-"""User-facing configuration: vLLM-style ``speculative_config`` and vllm-ascend-style ``torchair_graph_config``.
+"""User-facing configuration: vLLM's ``speculative_config``, graph-mode settings (vllm-ascend's
+``torchair_graph_config`` keys) and the engine's limits, as validated dataclasses.
 
-Both are plain dicts in vLLM (``LLM(speculative_config=..., additional_config={"torchair_graph_config": ...})``);
-here they become validated dataclasses. Unknown keys and out-of-range values raise ``ConfigError`` naming the
-key and what is allowed.
+Unknown keys and out-of-range values raise ``ConfigError`` naming the key and what is allowed.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .graph.latent_cache import DEFAULT_BLOCK_SIZE, LAYOUTS
+from .graph.latent_cache import DEFAULT_BLOCK_SIZE, canonical_layout
 
 SPEC_METHODS = ("deepseek_mtp", "mtp")
 GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
@@ -21,7 +21,7 @@ GRAPH_MODES = ("max-autotune", "reduce-overhead", "npugraph_ex")
 BACKENDS = ("auto", "eager", "inductor", "torchair", "torchair-rehearsal")
 #: the same as ``graph.backends.base.GRAPH_FAILURE_POLICIES`` (this module imports no torch)
 GRAPH_FAILURE_POLICIES = ("eager", "raise")
-#: see ``TorchairGraphConfig.prefill_query_widths``
+#: see ``GraphModeConfig.prefill_query_widths``
 DEFAULT_PREFILL_QUERY_WIDTHS = (32, 128, 512)
 
 
@@ -81,8 +81,9 @@ def power_of_two_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class TorchairGraphConfig:
-    """vllm-ascend's ``additional_config.torchair_graph_config`` plus our ``backend`` choice."""
+class GraphModeConfig:
+    """Graph-mode settings on every backend: vllm-ascend's ``additional_config.torchair_graph_config`` keys (the
+    name users type) plus our ``backend`` choice. ``mode`` is torchair's compile mode, read on torchair only."""
 
     enabled: bool = True
     backend: str = "auto"
@@ -120,7 +121,7 @@ class TorchairGraphConfig:
             raise ConfigError(f"{p}: set either graph_batch_sizes or graph_batch_sizes_init, not both")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "TorchairGraphConfig":
+    def from_dict(cls, d: dict[str, Any] | None) -> "GraphModeConfig":
         d = dict(d or {})
         p = "torchair_graph_config"
         _check_keys(p, d, tuple(f.name for f in fields(cls)))
@@ -177,9 +178,10 @@ class EngineConfig:
     max_num_seqs: int = 16
     kv_blocks: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
-    kv_layout: str = "fused"
+    #: ``single`` (one tensor a token) or ``pair``; ``fused``, its former name, is read as ``single``
+    kv_layout: str = "single"
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
-    graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
+    graph: GraphModeConfig = field(default_factory=GraphModeConfig)
     #: a decode step is one graph (verify + sampling + drafting) over device-side batch state; False: the
     #: step-by-step path (target graph, eager sampling, draft graph) at K_max, which batches asking for more than
     #: ``fused_step.MAX_LOGPROBS`` logprobs take too
@@ -187,10 +189,9 @@ class EngineConfig:
     #: choose K in 0..num_speculative_tokens per batch bucket from measured step costs and running acceptance
     #: (``ascend_spec.adaptive``); False: every step drafts num_speculative_tokens (``--fixed-k``). Needs fused_step
     adaptive_k: bool = True
-    #: what warm-up compiles: ``all`` every graph a run may replay (every K adaptive K may pick, the lone-request
-    #: graphs); ``first`` what the first steps run (K_max, which drafts while acceptance is learned, and K = 0, the
-    #: fallback; the lone-request graphs when the first batch is one request): the K values between are compiled
-    #: when adaptive K first picks one (``ascend-spec generate``'s default)
+    #: what warm-up compiles: ``all`` every graph a run may replay; ``first`` what the first steps run (K_max and
+    #: K = 0; the lone-request graphs when the first batch is one request), the other K values on first pick.
+    #: Why the CLI defaults to ``first``: docs/design.md, "Decode paths: one per purpose"
     warm_graphs: str = "all"
     #: a compiled graph that fails, or needs the host (graph lint): ``eager`` reruns the step eagerly and counts it,
     #: ``raise`` raises; None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (``ascend_spec.graph.backends.base``)
@@ -208,8 +209,10 @@ class EngineConfig:
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs % 16 or bs > MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size={bs!r}; allowed: a multiple of 16 up to {MAX_BLOCK_SIZE} "
                               "(16: vLLM CPU_MLA, 64: FlashMLA, 128: vllm-ascend MLA)")
-        if self.kv_layout not in LAYOUTS:
-            raise ConfigError(f"kv_layout={self.kv_layout!r}; allowed: {list(LAYOUTS)}")
+        try:
+            object.__setattr__(self, "kv_layout", canonical_layout(self.kv_layout))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.warm_graphs not in WARM_GRAPHS:
             raise ConfigError(f"warm_graphs={self.warm_graphs!r}; allowed: {list(WARM_GRAPHS)}")
         if self.graph_failure is not None and self.graph_failure not in GRAPH_FAILURE_POLICIES:
@@ -244,3 +247,12 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(graph, dict):
         raise ConfigError(f"{path}: additional_config.torchair_graph_config must be a mapping of keys, got {graph!r}")
     return data
+
+
+def __getattr__(name: str) -> Any:
+    # the class's name before it was named for graph mode on every backend, not for torchair alone
+    if name == "TorchairGraphConfig":
+        warnings.warn("ascend_spec.config.TorchairGraphConfig is deprecated; use GraphModeConfig",
+                      DeprecationWarning, stacklevel=2)
+        return GraphModeConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,13 +1,12 @@
 """One compiled graph per step: target verify + rejection sampling + next-token preparation + the K-step draft chain.
 
-The torchair way: a decode step is a single replay. The graph also advances the batch's device-side state
+A decode step is a single replay on every backend. The graph also advances the batch's device-side state
 (the next step's input tokens and start positions) from its own outputs, so the host only reads the step's
 tokens back for bookkeeping and builds nothing per step while the batch composition stays the same.
 
-Graphs are keyed by (K, sampling mode, logprobs) — and the batch bucket only on backends that compile per
-shape (torchair): ``K = 0`` is plain decoding, so speculation can be switched off per bucket (see
-``ascend_spec.adaptive``). The context is data: the block table is an input (on CPU trimmed to the live blocks, a dynamic
-width), never a graph key.
+Graphs are keyed by the step key (K, sampling mode, logprobs), and by the batch bucket only on backends that
+compile per shape (torchair). ``K = 0`` is plain decoding, so speculation can be switched off per bucket. The
+context is data: the block table is an input (on CPU trimmed to the live blocks), never a graph key.
 """
 from __future__ import annotations
 

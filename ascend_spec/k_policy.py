@@ -1,10 +1,5 @@
-"""This step's K, as one object: the scheduler asks it once a decode step (:meth:`KPolicy.plan`, before it makes
-cache room for that K), the fused step tells it what the step cost (:meth:`KPolicy.observe`), and the scheduler's
-postprocess feeds it the drafts verified (:meth:`KPolicy.record`). The cost model behind the choice is
-:mod:`.adaptive`; the acceptance it weighs is :class:`AcceptanceTracker`.
-
-``k_max`` is the most a step drafts (cache room, the tracker's positions, the compiled draft chain); ``k`` is
-what this step drafts, 0..k_max.
+"""The K policy: each decode step's K (0..k_max) and nominal bucket, and the running acceptance it weighs.
+The scheduler asks it (``plan``) before making cache room; steps report their cost and verified drafts back.
 """
 from __future__ import annotations
 
@@ -19,16 +14,13 @@ from .sampling import MAX_LOGPROBS
 
 #: pseudo-drafts each position's acceptance starts from
 PRIOR_WEIGHT = 2
-#: drafts (per position) the acceptance adaptive K weighs is an average over, an exponential window, most recent
-#: first: it follows the requests running now (over the whole run, a few poor first requests held it down for good)
+#: drafts per position of the exponential window acceptance is averaged over: it follows the requests running now
 ACCEPTANCE_WINDOW = 64
-#: while acceptance is learned, a position offered fewer drafts than this is weighed at the rate of the position
-#: before: the K learning drafts stops drafting positions it steps down from, which then keep that figure (batch
-#: 16, mixed lengths: the second at 0.49 on a dozen drafts, 0.69 on 43 in a fixed K = 3 run, put K = 1 in the lead,
-#: and it ran 120-170 steps of a round)
+#: while learning, a position offered fewer drafts is weighed at the rate of the one before (a step down stops
+#: drafting it, so its figure would stay)
 LEARN_POSITION_DRAFTS = 32
-#: a K that warm-up deferred is compiled only while the longest running request has this many tokens to go: a
-#: compile (about 40 s cold, bundled model, 2-core CPU) that a run ends soon after costs more than it saves
+#: a deferred K is compiled only while the longest running request has this many tokens to go (a compile a run
+#: ends soon after costs more than it saves). Values' sources: docs/performance.md, "Tuned constants"
 DEFERRED_MIN_TOKENS = 128
 
 
@@ -36,10 +28,9 @@ DEFERRED_MIN_TOKENS = 128
 class AcceptanceTracker:
     """Per-position conditional acceptance a_j = P(draft j accepted | drafts < j accepted): counts over the run
     (``offered``, ``accepted``), and ``rates()`` over the last ``ACCEPTANCE_WINDOW`` or so drafts of each position,
-    smoothed by ``PRIOR_WEIGHT`` pseudo-drafts at the rate of the position before (1/2 for the first). Deep positions
-    are verified only when a K that reaches them runs; under a flat prior of 1/2 a policy running a low K would
-    judge a high one by that prior and never pick it, while MTP heads' conditional acceptance holds or rises with
-    depth."""
+    smoothed by ``PRIOR_WEIGHT`` pseudo-drafts at the rate of the position before (1/2 for the first): deep
+    positions are verified only when a K reaching them runs, and a flat prior would keep a low K from ever
+    picking a high one, while MTP heads' conditional acceptance holds or rises with depth."""
 
     offered: list[int]
     accepted: list[int]
@@ -62,9 +53,8 @@ class AcceptanceTracker:
                 self.recent_accepted[j] = keep * self.recent_accepted[j] + hit
 
     def age(self) -> None:
-        """A step that verified no drafts (K = 0): the window ages as by one draft of each position, so the figures
-        K = 0 was chosen on give way to what explorations verify (with drafts alone, the few an exploration
-        brings took hundreds of steps to outweigh them)."""
+        """A step that verified no drafts (K = 0) ages the window as one draft of each position would, so the
+        figures K = 0 was chosen on give way to what explorations verify."""
         keep = 1 - 1 / ACCEPTANCE_WINDOW
         self.recent_offered = [keep * o for o in self.recent_offered]
         self.recent_accepted = [keep * a for a in self.recent_accepted]
@@ -81,9 +71,7 @@ class AcceptanceTracker:
 
 def in_step_share(running: list[Sequence]) -> float:
     """The share of ``running`` that plain decoding would keep in step: requests whose token budget another one
-    shares. Rows of equal budgets admitted together finish together without drafts, and drafting sets them apart
-    (bundled model, AVX-512 + AMX, equal lengths: each fixed K's efficiency fell with K, batch 16 0.88 / 0.84 /
-    0.83 at K = 1 / 2 / 3); rows of budgets 128 ± 64 finish apart either way (0.93–1.07, flat in K, batch 2–16)."""
+    shares. Rows of equal budgets finish together without drafts, and drafting sets them apart."""
     budgets = Counter(s.max_tokens for s in running)
     return sum(n for n in budgets.values() if n > 1) / len(running)
 
@@ -113,7 +101,7 @@ class KPolicy:
 
     k_max: int
     adaptive: bool
-    #: nominal batch buckets (``TorchairGraphConfig.batch_sizes``): the units adaptive K is chosen for
+    #: nominal batch buckets (``GraphModeConfig.batch_sizes``): the units adaptive K is chosen for
     batch_sizes: tuple[int, ...]
     #: the one-graph step is on (``EngineConfig.fused_step``): it applies to batches up to the largest bucket
     fused_step: bool = True
@@ -142,7 +130,7 @@ class KPolicy:
         self.learning_steps = 0
         self.costs.restart()
 
-    def bucket_for(self, batch: int) -> int | None:
+    def nominal_bucket(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests; None above the largest."""
         i = bisect.bisect_left(self.batch_sizes, batch)
         return self.batch_sizes[i] if i < len(self.batch_sizes) else None
@@ -154,7 +142,7 @@ class KPolicy:
     def plan(self, running: list[Sequence], warm: DeferredGraphs | None) -> StepK:
         """The next decode step's K and bucket for ``running``; the step-by-step path always drafts K_max.
         ``warm``: the runner's warm-up, which compiles a K it deferred when the policy first picks it."""
-        bucket = self.bucket_for(len(running)) or self.batch_sizes[-1]
+        bucket = self.nominal_bucket(len(running)) or self.batch_sizes[-1]
         if not self.fused_applies(running):
             return StepK(self.k_max, bucket, fused=False)
         assert warm is not None, "a fused step's K is chosen against the runner's warm-up"

@@ -110,8 +110,8 @@ class KVCaches:
         draft = one()
         if torch.device(device).type == "cuda":
             # The pool lives as long as the engine: CUDA graphs must read and write it where it is. CUDA graph trees
-            # copy an input that is not static into a buffer of their own; unmarked, greedy decoding under CUDA
-            # graphs left eager's tokens at the first decoded one (H100, torch 2.11).
+            # copy an input that is not static into a buffer of their own, so an unmarked cache would not be the one
+            # the next replay reads.
             for cache in (*target, draft):
                 for t in cache_tensors(cache):
                     torch._dynamo.mark_static_address(t)

@@ -1,24 +1,10 @@
 """The model runner: runs the scheduler's plan (:meth:`ModelRunner.run`) on its compiled graphs — a prefill
 (:mod:`.chunks`), or one decode step, fused here or step by step (:mod:`.step_by_step`).
 
-One step (speculative, padded — docs/design.md's data flow):
-1. target forward of ``B`` requests × ``(1+K)`` tokens
-2. rejection sampler → ``sampled [B, K+1]`` with -1 placeholders
-3. ``prepare_next_token_ids_padded`` → next token and valid count per request
-4. the last accepted index per request, ``valid - 1`` in rows padded to ``1+K`` (no compaction)
-5-6. the proposer drafts K tokens for the next step
-The fused path runs 1-6 as one graph over device-side batch state (:mod:`.fused_step`; the state is
-``inputs.DeviceBatch``); the step-by-step path (``fused_step=False``) runs the target graph, sampling and the
-draft graph as separate calls. vLLM's unpadded drafter layout (``disable_padded_drafter_batch``) is a variant of
-step 4 on either path: each row's rejected tokens made inert on device (``spec_decode.compact_rejected``) at the
-same width, so the same graph shapes replay. Either way 1-6 run without host syncs; afterwards one transfer brings
-the step's tokens to the host. The runner returns tokens; appending them and finishing requests is the
-scheduler's business. Which graphs are compiled before the first step, and which wait for their first use, is
-:mod:`.warmup`'s.
-
-Graph keys: (K, sampling mode, logprobs) — the batch bucket too only where the backend compiles per shape.
-The block table is data; on CPU it is trimmed to the live blocks of the batch's longest request, so a step
-costs what the live context costs, whatever ``max_model_len`` is.
+Invariants (docs/design.md, "Data flow of one decode step"): a decode step runs without host syncs and ends in
+one device → host transfer; the device batch is rebuilt only when rows, K, sampling mode or logprobs change, and a
+grown block table is replaced, never written in place; the runner returns tokens and never touches a request's
+lifecycle (the scheduler's).
 """
 from __future__ import annotations
 
@@ -96,8 +82,7 @@ class ModelRunner:
             self.backend, self._target_eager, "target", self.batch_sizes, TARGET_BATCH_ARGS,
             host_lengths=model.takes_host_lengths))
         # Prompts replay a graph too (a query axis: dynamic on CPU, padded to a few widths where graphs replay one
-        # shape): a lone 20-token prompt of the bundled model took 23 ms eagerly, 15 ms as a graph (2-core CPU),
-        # about two decode steps of a batch of 8, and speculating requests finish apart and join one by one.
+        # shape): speculating requests finish apart and are prefilled one by one, each costing an eager forward.
         self.prefill_eager = make_prefill_step(model)
         self.prefill_graph: BucketedGraph | None = None
         if g.prefill_query_widths:
@@ -144,9 +129,9 @@ class ModelRunner:
         """Block-table columns a step reaching ``longest_tokens`` passes (``inputs.table_width``)."""
         return self.parts.width_for(longest_tokens)
 
-    def bucket_for(self, batch: int) -> int | None:
+    def nominal_bucket(self, batch: int) -> int | None:
         """The nominal bucket of ``batch`` requests (adaptive K, statistics); None above the largest."""
-        return self.k_policy.bucket_for(batch)
+        return self.k_policy.nominal_bucket(batch)
 
     def rows_for(self, batch: int) -> int | None:
         """Graph rows for ``batch`` requests, at any K (:meth:`.warmup.GraphWarmup.rows_for`: a lone request's
@@ -214,7 +199,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         running = plan.running
         b = len(running)
-        fitted = self.bucket_for(b)
+        fitted = self.nominal_bucket(b)
         # a preemption since the plan may have moved the batch to another bucket: its K was not asked for this one
         planned = fitted == plan.bucket
         full = planned and fitted == b  # the live rows fill their bucket
@@ -240,8 +225,7 @@ class ModelRunner:
                 stats.k_switches += 1
                 between = None  # what ran before a switch belongs to the K that ran then
                 # A change of K pays a rebuild (and, out of K = 0, the MTP catch-up): a cost of switching, which
-                # SWITCH_MARGIN weighs, not of running at K. Counted in, an exploration's first step (K = 3 at
-                # batch 1 after 64 K = 0 steps) priced K = 3 at 2.5x a plain step where it costs 1.9x.
+                # SWITCH_MARGIN weighs, not of running at K; counted in, it would price an explored K too dear.
                 t_cost = time.perf_counter()
                 switch = t_cost - t0
                 stats.switch_seconds += switch

@@ -1,13 +1,9 @@
 """Speculative-decoding math on plain tensors: rejection sampling and the draft-input bookkeeping.
+Semantics follow vLLM's ``RejectionSampler`` and ``prepare_*`` helpers, as pure functions.
 
-Semantics follow vLLM's (``RejectionSampler``, ``prepare_next_token_ids_padded``, ``prepare_inputs_padded``,
-``prepare_inputs``, which ``compact_rejected`` does on device), but as pure functions: every function returns new
-tensors and never writes into its inputs (vLLM's async-scheduling acceptance collapses came from metadata mutated
-in place). The padded functions, ``compact_rejected`` and ``rejection_sample`` do no host syncs, so they can run
-inside a captured graph.
-
-Shapes: ``B`` requests, ``K`` = max draft tokens per request, ``V`` = vocabulary size. Sampled/draft outputs use
-``-1`` as the placeholder for "no token".
+Invariants: every function returns new tensors and never writes into its inputs (metadata mutated in place
+collapsed vLLM's acceptance under async scheduling); all but ``prepare_inputs`` do no host syncs, so they run
+inside a captured graph. Shapes: ``B`` requests, ``K`` drafts at most, ``V`` vocabulary; ``-1`` is "no token".
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""``MtpTorchairProposer``: the MTP drafter on fixed-shape padded graphs, one per batch bucket.
+"""``MtpTorchairProposer``: the graph-mode MTP drafter on every backend (the name is the product's public one).
+It replays the draft chain on fixed-shape padded graphs, one per batch bucket, and drafts prompt chunks too.
 
-The draft chain (``graph.steps.make_draft_step``) compiles once per bucket with the configured backend:
-torchair on Ascend NPUs, torch.compile elsewhere, or eager. Persistent max-size buffers receive the real
-rows; pad rows are inert (slot -1, seq_len 0) and their outputs are dropped. Prefill and mixed batches (a
-prompt chunk per request, ragged, repacked ``[B, Qmax]``) replay a graph too: where graphs replay one shape
-(torchair, CUDA graphs) the query pads with inert tokens to the next of a few widths, each one more graph per
-bucket; on CPU the query axis is dynamic. Chunks wider than the widest run the eager reference. Every public
-method of ``MtpProposer`` keeps its signature here (a test checks ``inspect.signature``); ``warm_steps`` adds the
-draft graphs' warm-up plan.
+Pad rows are inert and their outputs dropped; prompt chunks wider than the widest query width run the eager
+reference. Every public method of ``MtpProposer`` keeps its signature here (a test checks ``inspect.signature``).
 """
 from __future__ import annotations
 
@@ -56,7 +51,7 @@ class MtpTorchairProposer(MtpProposer):
         """Tokens the draft of ``batch`` requests × ``query`` tokens runs per forward pass: the first pass (the
         graph's rows × width, or the call's own where it runs eagerly) and each chained step 2..K (one per row)."""
         first = self.graph.tokens_for(batch, query)
-        rows = self.graph.bucket_for(batch) if self.graph.serves(batch, query) else None
+        rows = self.graph.rows_for(batch) if self.graph.serves(batch, query) else None
         return first, rows or batch
 
     def warm_steps(self, why: str = "the draft chain") -> list[WarmStep]:

@@ -1,12 +1,7 @@
 """Warm-up: which compiled graphs a run needs before its first step, which it defers, and their step costs.
+It plans :class:`~.graph.buckets.WarmStep` lists for the registry and compiles a deferred K when first picked.
 
-The runner replays graphs; this module (given the runner's parts, :class:`.runner_parts.RunnerParts`) decides
-which to compile (or load) and when, as one plan of :class:`~.graph.buckets.WarmStep` that the runner's
-:class:`~.graphs.GraphRegistry` runs. ``warm_graphs: all`` compiles
-every graph up front; ``first`` (the default) compiles what the first steps run: the fused step at K_max for the
-batch shapes a run starts with, the prompt graphs only for runs of many prompts, and the other K values of adaptive
-K when the policy first picks one (:meth:`GraphWarmup.compile_deferred`). Adaptive K's step costs per bucket and K
-are measured here, on inert batches, since shapes, not data, set a step's cost.
+Step costs are measured here on inert batches: shapes, not data, set a step's cost.
 """
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ from .runner_parts import RunnerParts
 from .sampling import GREEDY
 from .timing import time_call
 
-#: ``warm_graphs: first`` compiles the prompt graph and the prompts' draft chain only for a run of this many
-#: prompts: they save about 8 ms a prompt (bundled model, a lone 20-token prompt: 23 ms eagerly, 15 ms as a graph),
-#: and cost 0.6 s to load and about a minute to compile cold (2-core CPU)
+#: ``warm_graphs: first`` compiles the prompt graphs only for a run of this many prompts: below it their load and
+#: compile cost more than they save (docs/performance.md, "Tuned constants")
 PROMPT_GRAPHS_FROM = 64
 
 
@@ -126,16 +120,12 @@ class GraphWarmup:
         return report
 
     def rows_for(self, batch: int) -> int | None:
-        """Graph rows for ``batch`` requests, at any K. A lone request runs unpadded, a graph of its own on
-        dynamic-batch backends (a size-1 dimension specialises a compile; warmed with the others where 1 is a
-        bucket): padded to two rows, its verify and drafts paid for twice the tokens (bundled model, context 160:
-        K = 1, 2, 3 steps 4.75, 6.23, 6.91 ms padded against 4.20, 5.01, 5.47 alone, K = 0 3.33 ms); its one-
-        and two-row products are row reductions, see ``graph.layers.Linear``. Every other batch pads to
-        ``min_batch``, and so does a lone request where warm-up left its graphs out (``warm_graphs: first`` and a
-        first batch of several: a draining queue's last request)."""
+        """Graph rows for ``batch`` requests, at any K. On dynamic-batch backends a lone request runs a one-row
+        graph of its own (a size-1 dimension specialises a compile; padded to two rows it would pay for twice its
+        tokens); other batches, and a lone request whose graphs warm-up left out, pad to ``min_batch``."""
         if batch == 1 and self.shapes.dynamic_batch and 1 in self.parts.batch_sizes and self.lone:
             return 1
-        return self.parts.target_graph.bucket_for(batch)
+        return self.parts.target_graph.rows_for(batch)
 
     def prompts_unwarmed(self, prompts: int | None) -> bool:
         """A warm-up for a run of ``prompts`` prompts (None: unknown) compiles the prompt graphs, not yet warm."""

@@ -130,8 +130,8 @@ class DraftCoreMixin:
     #: vLLM's class this adapter subclasses (set when the adapter class is built)
     vllm_base: type = object
     __ascend_spec_adapter__ = True
-    #: how the platform's MLA backend keeps the draft cache (graph.latent_cache): vLLM's fused 576-wide latent
-    _ascend_kv_layout = "fused"
+    #: how the platform's MLA backend keeps the draft cache (graph.latent_cache): vLLM's single 576-wide latent
+    _ascend_kv_layout = "single"
     _draft_k: int = 0
 
     def _init_core(self, vllm_config: Any, runner_name: str) -> None:

@@ -1,27 +1,10 @@
-"""The adapter vLLM's model runner builds as its MTP drafter.
+"""The adapter vLLM's V1 model runner builds as its MTP drafter: a subclass of the ``EagleProposer`` it replaces.
+Enabled (``additional_config.ascend_spec``, method mtp/deepseek_mtp), it drafts with ``MtpTorchairProposer``.
 
-vLLM builds ``EagleProposer(vllm_config, device, runner)`` and asserts ``isinstance(drafter,
-EagleProposer)``, so the adapter subclasses the class it replaces. With ``additional_config
-{"ascend_spec": {"enabled": true}}`` and method mtp/deepseek_mtp it drafts with
-:class:`~ascend_spec.torchair_proposer.MtpTorchairProposer`; otherwise every call goes to vLLM's own code.
-
-vLLM keeps what it owns: it loads its MTP model (which registers the draft attention layer, so vLLM
-sizes and allocates the draft KV cache), schedules, samples the target and verifies. The adapter
-  * builds our draft model on the weights vLLM loaded (``host_weights``: no file read, no copy, any TP size)
-    and compiles the draft graph per batch bucket (``torchair_graph_config``) when vLLM sets up attention,
-    against a cache of the real shape;
-  * drafts into vLLM's draft-layer cache through a layout view (``kv_layout``), with vLLM's block table
-    and slot mapping (the draft layer shares the target's KV cache group);
-  * translates ``propose``'s flat inputs (``[T]`` tokens, ``[T, D]`` hidden states, ``query_start_loc``)
-    into ``DraftInputs [B, Q]``: a reshape when every request verifies ``1 + K`` tokens (no host syncs;
-    the compiled bucket graph), else a ragged-to-padded repack on device, at least ``1 + K`` wide (a graph too,
-    up to the widest ``prefill_query_widths``: the query pads to a graph's width; vLLM's unpadded decode batch,
-    its rejected tokens compacted away, replays the decode width);
-  * computes the next tokens itself (``prepare_next_token_ids_padded``) with the backup token at
-    ``num_tokens_no_spec - 1``, and builds fresh tensors: vLLM's metadata and host buffers are only read.
-Whatever it cannot draft (dynamic K, probabilistic draft sampling) goes to vLLM's ``propose``, which
-writes the same cache in the same layout. Each rank logs one line at start and, with ``stats_dir``, keeps
-``drafter-rank{R}.json`` up to date (:class:`StatsFile`).
+It translates ``propose``'s flat inputs into ``DraftInputs [B, Q]`` (a reshape when every request verifies
+``1 + K`` tokens, else a ragged-to-padded repack on device), computes the next tokens itself with the backup token
+at ``num_tokens_no_spec - 1``, and only reads vLLM's metadata and host buffers. What it cannot draft (a dynamic
+K, probabilistic draft sampling) goes to vLLM's ``propose``. Design: docs/design.md, "Both of vLLM's model runners".
 """
 from __future__ import annotations
 
@@ -197,7 +180,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             hidden = target_hidden_states[:n].view(b, q, -1)
             slots = f.slot_mapping[:n].view(b, q).long()
             sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
-            if self._ascend.graph.bucket_for(b) is None:
+            if self._ascend.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:
                 self.ascend_stats.graph_calls += 1

@@ -1,29 +1,10 @@
 """Our draft chain on the weights vLLM already loaded: no second copy, any tensor-parallel size, any quant method.
+:func:`mtp_model_on_vllm` builds our model on the meta device and fills its MTP path with vLLM's objects.
 
-vLLM builds the MTP layer as ``DeepSeekMTP`` → ``DeepSeekMultiTokenPredictor`` (layers keyed by
-``str(num_hidden_layers + i)``) and shares the target's embedding and lm_head with it. :func:`mtp_model_on_vllm`
-builds our :class:`~ascend_spec.graph.model.DeepseekV3ForCausalLM` on the meta device (no memory) and fills the
-MTP path with vLLM's objects:
-
-* tensors we can view are used in place: RMSNorm scales, ``eh_proj`` (a plain ``nn.Linear``), the absorbed MLA
-  matrices vLLM derives from ``kv_b_proj`` (``W_UK_T``, ``W_UV``; vLLM dequantises them for every quant method;
-  where its MLA backend keeps them only packed, AMX_MLA, the absorbed products run its own kernels instead),
-  the rotary ``cos_sin_cache``;
-* layers that hold weights run their own forward inside our graph (:class:`~ascend_spec.graph.external.External`),
-  so vLLM's quant method picks the kernel (fp8 block, W8A8, int4, CPU-prepacked, tensor-parallel): the q/kv
-  projections (``fused_qkv_a_proj`` as one call), ``o_proj`` (row-parallel: all-reduce inside), a dense MLP, the
-  vocab-parallel embedding, the lm_head through vLLM's ``LogitsProcessor`` (all-gathered logits on every rank),
-  and the whole ``DeepseekV2MoE`` (router, FusedMoE's routed experts, shared experts, their reduction).
-
-Under tensor parallelism the greedy draft token and, for the next draft position, its embedding come from one
-all-gather of each rank's best candidate (:mod:`~ascend_spec.graph.vocab_parallel`) instead of the logits
-all-gather plus the embedding all-reduce: one collective fewer per draft position after the first, and no
-vocabulary-wide gather. Tokens and embeddings are bit for bit the gathered ones.
-
-vLLM's FusedMoE finds itself through vLLM's forward context, so the MoE runs inside one (the adapter's, set the
-way vLLM's proposer sets it: the padded token count) and, where our graph is compiled by inductor, as an opaque
-op: its kernels stay vLLM's and no compiled graph guards on the per-step context. The draft chain, padding,
-buckets, paged MLA over vLLM's draft cache and sampling stay ours.
+Invariants (docs/design.md, "Drafting on the host engine's weights"): tensors that can be viewed are used in
+place; every layer that holds weights runs vLLM's own forward inside our graph (:mod:`~ascend_spec.graph.external`),
+so vLLM's quant method picks each kernel; the MoE runs inside vLLM's forward context and, under inductor, as one
+opaque op, so no compiled graph guards on the per-step context.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def draft_layer_names(proposer: Any) -> list[str]:
 
 
 def draft_cache_view(vllm_config: Any, layer_name: str, widths: tuple[int, int], block_size: int) -> LatentCache:
-    """The cache bound to ``layer_name`` in our layout (views, no copy): fused ``[num_blocks, block_size, C + R]``
+    """The cache bound to ``layer_name`` in our layout (views, no copy): single ``[num_blocks, block_size, C + R]``
     or the pair ``([num_blocks, block_size, C], [num_blocks, block_size, R])``; ``widths`` = ``(C, R)``."""
     layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
     cache, missing = draft_kv_cache_parts(bound_kv_cache(layer), layer_name, widths, block_size)

@@ -15,7 +15,7 @@ writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and a
 (``eager``: a compiled draft graph that fails reruns that draft eagerly, counted in the stats; ``raise``: it raises,
 and graphs that need the host are refused at compile time; default ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager``).
 ``torchair_graph_config`` is
-validated by :meth:`TorchairGraphConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
+validated by :meth:`GraphModeConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
 inductor on CUDA or CPU. Without ``graph_batch_sizes`` the buckets are nano-vllm's
 ``[1, 2, 4, 8, 16, ...]`` up to ``min(max_num_seqs, 16)``; bigger batches run the same draft eagerly.
 
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ascend_spec.config import GRAPH_FAILURE_POLICIES, ConfigError, TorchairGraphConfig, default_graph_batch_sizes
+from ascend_spec.config import GRAPH_FAILURE_POLICIES, ConfigError, GraphModeConfig, default_graph_batch_sizes
 
 ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
@@ -44,7 +44,7 @@ class PluginSettings:
     stats_dir: str | None = None
     #: None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (resolved where the backend is built)
     graph_failure: str | None = None
-    graph: TorchairGraphConfig = field(default_factory=TorchairGraphConfig)
+    graph: GraphModeConfig = field(default_factory=GraphModeConfig)
 
     @classmethod
     def from_additional_config(cls, extra: Any) -> "PluginSettings":
@@ -69,7 +69,7 @@ class PluginSettings:
             raise ConfigError(f"{where}.graph_failure={policy!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
         return cls(enabled=block.get("enabled", True), warmup=block.get("warmup", True),
                    collect_stats=block.get("collect_stats", False), stats_dir=stats_dir, graph_failure=policy,
-                   graph=TorchairGraphConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
+                   graph=GraphModeConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
 
     def batch_sizes(self, max_num_seqs: int, num_speculative_tokens: int = 0, token_multiple: int = 1) -> list[int]:
         """Graph buckets in requests; see :func:`graph_size_plan` for the token-count rule."""

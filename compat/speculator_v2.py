@@ -173,7 +173,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             pos = input_batch.positions[:n].view(b, q).long()
             hid = hidden[:n].view(b, q, -1)
             slots = slots_flat[:n].view(b, q).long()
-            if self._ascend.graph.bucket_for(b) is None:
+            if self._ascend.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:
                 self.ascend_stats.graph_calls += 1

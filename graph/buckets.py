@@ -1,4 +1,5 @@
-"""Batch buckets: padded batch sizes whose graphs are replayed every step.
+"""Batch buckets: padded batch sizes whose graphs are replayed every step, and the warm-up steps that replay them.
+``BucketedGraph.rows_for`` gives the graph rows a batch runs; the nominal bucket is the K policy's.
 
 Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
 fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
@@ -13,12 +14,9 @@ one compile serves every width; where a graph replays one recorded shape (per-sh
 query pads with inert tokens (each argument's pad value) up to the next of ``query_widths``, one graph or capture
 per bucket and width. Wider queries run eagerly.
 
-A compiled graph that raises (a backend or runtime fault, at compile or replay) follows the backend's
-``graph_failure`` policy. ``eager`` (the users' default): that step reruns on the eager reference, which computes
-the same outputs and rewrites the same cache slots with the same values (whatever the failed graph wrote is
-overwritten), so no token changes; the first failure of a bucket logs a warning with its traceback, every failure
-is counted in ``failures``. ``raise`` (the test suite and CI): the failure is raised, so no check can pass on the
-eager reference while the graphs it meant to test fail.
+A compiled graph that raises, at compile or replay, follows the backend's ``graph_failure`` policy
+(``note_graph_failure``; docs/design.md, "Graph failure policy"): rerun the step eagerly, which rewrites the same
+cache slots with the same values, or raise.
 """
 from __future__ import annotations
 
@@ -144,7 +142,7 @@ class BucketedGraph:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def bucket_for(self, batch: int) -> int | None:
+    def rows_for(self, batch: int) -> int | None:
         """Rows the graph runs for ``batch`` requests; None above the largest bucket (eager)."""
         if batch > self.max_size:
             return None
@@ -166,12 +164,12 @@ class BucketedGraph:
 
     def serves(self, batch: int, query: int | None = None) -> bool:
         """Whether ``batch`` requests (× ``query`` tokens each, on a graph with a query axis) replay a graph."""
-        return self.bucket_for(batch) is not None and (query is None or self.query_for(query) is not None)
+        return self.rows_for(batch) is not None and (query is None or self.query_for(query) is not None)
 
     def tokens_for(self, batch: int, query: int) -> int:
         """Tokens a call of ``batch`` requests × ``query`` tokens each runs: the graph's padded rows × width, or
         the call's own where it runs eagerly (a forward context sized for the draft must say this)."""
-        rows = self.bucket_for(batch)
+        rows = self.rows_for(batch)
         width = self.query_for(query) if self.dims.query else query
         return batch * query if rows is None or width is None else rows * width
 
@@ -218,7 +216,7 @@ class BucketedGraph:
                                 "None (this graph's attention reads the device lengths)"))
         if host_lengths is not None:
             static_inputs = (*static_inputs, tuple(host_lengths))
-        bucket = self.bucket_for(b)
+        bucket = self.rows_for(b)
         query = batch_inputs[self.dims.query[0]].shape[1] if self.dims.query else None
         width = None if query is None else self.query_for(query)
         if bucket is None:

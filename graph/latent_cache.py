@@ -2,7 +2,7 @@
 
 One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]``. Serving engines keep it two ways:
 
-- ``fused``: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor (vLLM's MLA backends);
+- ``single``: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor (vLLM's MLA backends);
 - ``pair``: ``(nope [num_blocks, block_size, kv_lora_rank], rope [num_blocks, block_size, qk_rope_head_dim])``,
   contiguous each (vllm-ascend's MLA, which binds them as ``[num_blocks, block_size, 1, width]``; the binding
   squeezes the head axis).
@@ -17,15 +17,25 @@ from typing import Union
 
 import torch
 
-#: a latent KV cache: fused, or a (nope, rope) pair
+#: a latent KV cache: one tensor, or a (nope, rope) pair
 LatentCache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
-LAYOUTS = ("fused", "pair")
+LAYOUTS = ("single", "pair")
+#: the name ``single`` had before: users' configs keep working
+LAYOUT_ALIASES = {"fused": "single"}
 #: the engine's default block size (vLLM's CPU_MLA takes 16 only)
 DEFAULT_BLOCK_SIZE = 16
 
 
+def canonical_layout(layout: str) -> str:
+    """``layout`` with an alias resolved; ValueError naming the allowed values for an unknown one."""
+    layout = LAYOUT_ALIASES.get(layout, layout)
+    if layout not in LAYOUTS:
+        raise ValueError(f"kv_layout={layout!r}; allowed: {list(LAYOUTS)} (alias: 'fused' for 'single')")
+    return layout
+
+
 def layout_of(cache: LatentCache) -> str:
-    return "fused" if isinstance(cache, torch.Tensor) else "pair"
+    return "single" if isinstance(cache, torch.Tensor) else "pair"
 
 
 def block_size_of(cache: LatentCache) -> int:
@@ -33,7 +43,7 @@ def block_size_of(cache: LatentCache) -> int:
 
 
 def latent_parts(cache: LatentCache, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(kv_c [N, block, C], kv_pe [N, block, R])``: the pair itself, or two views of a fused cache."""
+    """``(kv_c [N, block, C], kv_pe [N, block, R])``: the pair itself, or two views of a single-tensor cache."""
     if isinstance(cache, torch.Tensor):
         return cache[..., :kv_lora_rank], cache[..., kv_lora_rank:]
     return cache
@@ -46,12 +56,12 @@ def cache_tensors(cache: LatentCache) -> tuple[torch.Tensor, ...]:
 
 def allocate_latent_cache(layout: str, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
                           dtype: torch.dtype, device: torch.device | str) -> LatentCache:
-    if layout == "fused":
+    layout = canonical_layout(layout)
+    if layout == "single":
         return torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
     if layout == "pair":
         return (torch.zeros(num_blocks, block_size, kv_lora_rank, dtype=dtype, device=device),
                 torch.zeros(num_blocks, block_size, rope_dim, dtype=dtype, device=device))
-    raise ValueError(f"kv_layout={layout!r}; allowed: {list(LAYOUTS)}")
 
 
 def same_shape(a: LatentCache, b: LatentCache) -> bool:

@@ -14,14 +14,12 @@ from .config import ModelConfig, YarnScaling
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and names) that can take its product weight-left: ``(W · xᵀ)ᵀ``.
 
-    Decode and verify multiply a handful of tokens by every weight. On x86 CPUs MKL's sgemm picks a far better
-    kernel when the skinny operand is on the right: measured here (AVX2, 2 cores, the bundled model's 73 matrices,
-    compiled) 2–8 tokens cost 0.4–0.6× of ``x · Wᵀ`` and about what one token costs, so a verify's products cost
-    about what a one-token step's do. Where a compiled graph fixes the row count at one or two (a lone request's
-    one-token step, its K = 1 verify and its draft chain), the product is a fused reduction per row instead
-    (``row_reductions``: ~0.8× the step at batch 1); eager, a lone token runs as two (a one-column product is slower
-    still). Same function; only the summation order may differ (~1e-6). Backends opt in (``weight_left_matmul``);
-    GPUs and NPUs keep the plain product.
+    Decode and verify multiply a handful of tokens by every weight, and on x86 CPUs MKL's sgemm picks a far better
+    kernel when the skinny operand is on the right, so a verify's products cost about a one-token step's. Where a
+    compiled graph fixes the row count at one or two, the product is a row reduction (``row_reductions``); eager,
+    a lone token runs as two (one column is MKL's slowest case). Same function; only the summation order may differ
+    (~1e-6). Backends opt in (``weight_left_matmul``); GPUs and NPUs keep the plain product. Figures:
+    docs/performance.md, "What a verify costs on CPU".
     """
 
     #: set by ``DeepseekV3ForCausalLM.use_backend``
@@ -41,21 +39,19 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling() and statically_known_true(n <= ROW_REDUCTION_MAX_ROWS):
             return row_reductions(flat, self.weight).reshape(*x.shape[:-1], self.out_features)
         if n == 1:
-            # One column is MKL's slowest case: the bundled model's products cost 4.96 ms for one token against
-            # 3.76 ms for two (compiled); a zero token makes it two. Static: a dynamic row count is at least 2.
+            # One column is MKL's slowest case: a zero token makes it two. Static: a dynamic row count is at least 2.
             flat = F.pad(flat, (0, 0, 0, 1))
         return torch.mm(self.weight, flat.t())[:, :n].t().reshape(*x.shape[:-1], self.out_features)
 
 
 #: a compiled product of at most this many rows, when the graph's shapes fix the count (a lone request's one-row
-#: graphs), is one fused reduction per row instead of an MKL call (see ``row_reductions``)
+#: graphs), is one row reduction per row instead of an MKL call (see ``row_reductions``)
 ROW_REDUCTION_MAX_ROWS = 2
 
 
 def row_reductions(flat: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``flat [n, in] · weightᵀ`` as ``n`` row-wise reductions, which inductor compiles to vectorised loops that
-    stream the weight at about the memory's speed; MKL's sgemm streams it several times slower for one row on this
-    kind of CPU (a lone request's one-token step, bundled model: 1.8-1.9 ms against 2.2-2.5 with MKL). Each row
+    stream the weight at about the memory's speed; MKL's sgemm streams it several times slower for one row. Each row
     reads the weight again: two rows cost about MKL's two-row product, and from three rows MKL's is cheaper, hence
     ``ROW_REDUCTION_MAX_ROWS``. A row's sum is the same, bit for bit, whatever ``n`` is, so a verify and a
     one-token step give a token the same logits. Eager, this would materialise ``weight``-sized temporaries:
@@ -78,7 +74,7 @@ class RMSNorm(nn.Module):
 
 class Embedding(nn.Embedding):
     """``nn.Embedding`` whose shapes-only (meta) build skips the random init: any op on a meta tensor imports
-    torch's Python meta kernels, about 2 s of a start-up that then loads every weight anyway."""
+    torch's Python meta kernels, seconds of a start-up that then loads every weight anyway."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:

@@ -13,11 +13,8 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
   live request reads, not ``max_model_len``.
 - :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row
-  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; compiled, no backend
-  can use it yet: on CPU (torch 2.13) its output is wrong, and on CUDA (torch 2.11, H100) the Triton template
-  cannot take MLA's 576-wide keys (shared memory overflows at the default tiles; a 1-3 token query block is not
-  a multiple of its 16-row tile; with both forced, the output is wrong). Kept, with its eager test, for when a
-  torch release compiles it.
+  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; no backend compiles
+  it correctly yet (docs/design.md, "Shapes"), so it is kept with its eager test for a torch release that does.
 - :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` as vllm-ascend's speculative MLA decode calls
   it (``vllm_ascend/attention/mla_v1.py`` ``_forward_decode``; ``torchair/torchair_mla.py`` up to v0.11.0):
   contiguous latent / rope caches as ``key``/``value`` and ``key_rope`` (``[blocks, 1, block, C | R]``), query
@@ -160,7 +157,7 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
     b, q_len, h, c = q_lat.shape
     kv_c, kv_pe = cache
     if not (kv_c.is_contiguous() and kv_pe.is_contiguous()):
-        raise ValueError("npu_mla takes contiguous nope / rope caches (vllm-ascend's layout); this cache is a fused "
+        raise ValueError("npu_mla takes contiguous nope / rope caches (vllm-ascend's layout); this cache is a single "
                          "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
     # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
     # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by

@@ -1,30 +1,14 @@
 """The routed half of DeepSeekMoE on Ascend NPUs, through torch_npu's fused MoE ops.
+Same function as :func:`~ascend_spec.graph.moe.grouped_topk` + :func:`~ascend_spec.graph.moe.routed_experts`.
 
-Same function as :func:`ascend_spec.graph.moe.grouped_topk` + :func:`~ascend_spec.graph.moe.routed_experts`
-(noaux_tc routing over vLLM FusedMoE's stacked ``w13 [E, 2I, D]`` / ``w2 [E, D, I]``), composed the way
-vllm-ascend's torchair MoE did for the all-gather / single-device case (``torchair_fused_experts`` in
-``vllm_ascend/torchair/ops/torchair_fused_moe.py``; no MC2, no expert map):
+Composed as vllm-ascend's torchair MoE did for the all-gather / single-device case (no MC2, no expert map):
 
     npu_moe_gating_top_k → npu_moe_init_routing → npu_moe_compute_expert_tokens
       → npu_grouped_matmul (w13) → npu_swiglu → npu_grouped_matmul (w2) → npu_moe_finalize_routing
 
-``npu_moe_init_routing`` (v1) rather than ``_v2``: both are in the torch_npu 2.14.0 wheel, but v1 is what
-vllm-ascend's torchair path paired with ``npu_moe_finalize_routing``; its own notes (``AllGatherCommImpl`` in
-``vllm_ascend/ops/moe/moe_comm_method.py``) report accuracy problems for v2 + ``npu_moe_finalize_routing``.
-v1 gives no per-expert counts, hence ``npu_moe_compute_expert_tokens`` (as vllm-ascend did).
-
-Every shape here is fixed by ``T``, ``E``, ``top_k``: no ``.item()``, ``.tolist()`` or ``nonzero``, so torchair
-can capture it in one graph. torch_npu is imported inside the function only: importing it needs CANN.
-
-What is verified off-NPU (``tests/test_torchair_contract.py``):
-  - the signatures: each op we call, and every argument name we pass (``NPU_MOE_CALLS``), against the schema
-    strings the torch_npu 2.14.0 wheel registers (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``),
-    plus that torch_npu exposes each op and torchair has a GE converter for it;
-  - the plumbing: with a fake ``torch_npu`` implementing the ops' *documented* formulas, the composition
-    (row_idx layout, cumsum group list, weight transposes, gate/up order) reproduces the plain-torch reference.
-What is not: the numerics of the real kernels on an NPU (the ``npu``-marked parity test does that where one is
-available), notably which scores ``npu_moe_gating_top_k`` weights with (docs are ambiguous about the bias),
-and the op's shape limits on a given CANN release (vllm-ascend only used it for E = 256).
+Every shape is fixed by ``T``, ``E``, ``top_k`` (no host reads), so torchair captures it in one graph; torch_npu is
+imported inside the function only, as it needs CANN. Why ``npu_moe_init_routing`` v1, and what is and is not
+verified off-NPU: docs/design.md, "The NPU MoE".
 """
 from __future__ import annotations
 
@@ -113,9 +97,7 @@ def routed_experts_npu(x: torch.Tensor, router_logits: torch.Tensor, e_score_cor
 
     # npu_grouped_matmul computes x_g @ weight[g] with weight [E, K, N]; ours are stored [E, N, K] (vLLM FusedMoE:
     # w13 [E, 2I, D], w2 [E, D, I]), so we pass transpose(1, 2) views. The op reads such a view as a transposed
-    # weight (its docs define the inner-axis limit "when weight is transposed"), so nothing is copied: this is
-    # what vllm-ascend's torchair_fused_experts did per call. vllm-ascend's later MoE instead transposed once at
-    # load time (process_weights_after_loading: w.transpose(1, 2).contiguous()); a loader could do the same.
+    # weight (its docs define the inner-axis limit "when weight is transposed"), so nothing is copied.
     # split_item=2: one x tensor in, one tensor out; group_type=0: groups split the M (row) axis.
     gate_up = _call(torch_npu, "npu_grouped_matmul", x=[sorted_x], weight=[w13.transpose(1, 2)], split_item=2,
                     group_list_type=0, group_type=0, group_list=expert_tokens)[0]  # [T·k, 2I]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV
 from ascend_spec.graph.config import ModelConfig
@@ -100,7 +100,7 @@ def inductor_config(k: int) -> EngineConfig:
     engine warmed up as an earlier one was finds its graphs in inductor's cache instead of compiling them again."""
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
-                        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
+                        graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
 
 
 def generate_without_recompiles(engine, prompts, max_tokens):
@@ -214,7 +214,7 @@ def record_draft_calls(model_dir, k, prompts):
     draft call: its inputs, the draft cache before it, its outputs."""
     eng = load_engine(model_dir, EngineConfig(max_model_len=128, max_num_seqs=4,
                                               speculative=SpeculativeConfig(num_speculative_tokens=k),
-                                              graph=TorchairGraphConfig(enabled=False, backend="eager"),
+                                              graph=GraphModeConfig(enabled=False, backend="eager"),
                                               fused_step=False, adaptive_k=False))
     calls = []
     original = eng.proposer.propose

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_spec.config import TorchairGraphConfig
+from ascend_spec.config import GraphModeConfig
 from ascend_spec.engine import Engine, dynamo_compile_count
 from ascend_spec.fused_step import make_spec_step
 from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, closure_fingerprint
@@ -183,7 +183,7 @@ def test_loaded_graphs_read_the_weights_of_the_model_they_serve(warm_store, trai
     outs, _, _ = eng.generate(PROMPTS, SamplingParams(), 24)
 
     # the same model on the eager reference (greedy tokens equal across backends: test_graph_mode)
-    ref = Engine(model, dataclasses.replace(inductor_config(2), graph=TorchairGraphConfig(
+    ref = Engine(model, dataclasses.replace(inductor_config(2), graph=GraphModeConfig(
         enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4))))
     ref_outs, _, _ = ref.generate(PROMPTS, SamplingParams(), 24)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs] != tokens

@@ -223,10 +223,10 @@ def test_additional_config_bad_input(case: Case) -> None:
 
 @pytest.fixture(scope="module")
 def eager_engine():
-    from ascend_spec.config import TorchairGraphConfig
+    from ascend_spec.config import GraphModeConfig
     from ascend_spec.engine import load_engine
 
-    cfg = EngineConfig(max_model_len=64, max_num_seqs=2, graph=TorchairGraphConfig(enabled=False))
+    cfg = EngineConfig(max_model_len=64, max_num_seqs=2, graph=GraphModeConfig(enabled=False))
     return load_engine(FIXTURE_MODEL_DIR, cfg)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.config import ModelConfig
 from ascend_spec.sampling import SamplingParams
@@ -36,7 +36,7 @@ def test_greedy_speculation_is_exact_on_the_bundled_model(bundled_dir):
     def run(k: int):
         spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
         eng = load_engine(bundled_dir, EngineConfig(max_model_len=128, max_num_seqs=2, speculative=spec,
-                                                    graph=TorchairGraphConfig(enabled=False, backend="eager")))
+                                                    graph=GraphModeConfig(enabled=False, backend="eager")))
         return eng.generate(prompts, SamplingParams(), 40)
 
     ref, _, _ = run(0)

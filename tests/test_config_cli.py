@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ascend_spec.cli import build_parser, engine_config_from_args, main
-from ascend_spec.config import (ConfigError, SpeculativeConfig, TorchairGraphConfig, default_graph_batch_sizes,
+from ascend_spec.config import (ConfigError, SpeculativeConfig, GraphModeConfig, default_graph_batch_sizes,
                                 power_of_two_batch_sizes)
 
 
@@ -21,22 +21,22 @@ def test_speculative_config_validation():
 
 def test_graph_config_validation():
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['enable_kv_nz'\]"):
-        TorchairGraphConfig.from_dict({"enable_kv_nz": True})
+        GraphModeConfig.from_dict({"enable_kv_nz": True})
     with pytest.raises(ConfigError, match=r"\['graph_batch_sizes'\] set while enabled is false"):
-        TorchairGraphConfig.from_dict({"enabled": False, "graph_batch_sizes": [1, 2]})
+        GraphModeConfig.from_dict({"enabled": False, "graph_batch_sizes": [1, 2]})
     with pytest.raises(ConfigError, match="mode='fast'"):
-        TorchairGraphConfig.from_dict({"mode": "fast"})
+        GraphModeConfig.from_dict({"mode": "fast"})
     with pytest.raises(ConfigError, match="backend='tvm'"):
-        TorchairGraphConfig.from_dict({"backend": "tvm"})
-    assert TorchairGraphConfig.from_dict({"enabled": False}).effective_backend == "eager"
+        GraphModeConfig.from_dict({"backend": "tvm"})
+    assert GraphModeConfig.from_dict({"enabled": False}).effective_backend == "eager"
 
 
 def test_buckets():
     assert default_graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert default_graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert power_of_two_batch_sizes(12) == [1, 2, 4, 8, 12]
-    assert TorchairGraphConfig.from_dict({"graph_batch_sizes": [8, 2, 2]}).batch_sizes(16) == [2, 8]
-    assert TorchairGraphConfig.from_dict({"graph_batch_sizes_init": True}).batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert GraphModeConfig.from_dict({"graph_batch_sizes": [8, 2, 2]}).batch_sizes(16) == [2, 8]
+    assert GraphModeConfig.from_dict({"graph_batch_sizes_init": True}).batch_sizes(16) == [1, 2, 4, 8, 16]
 
 
 def _run_cli(capsys, *argv):
@@ -137,3 +137,9 @@ def test_step_by_step_drafts_a_fixed_k_and_refuses_adaptive_k():
         EngineConfig(fused_step=False)
     assert EngineConfig(fused_step=False, speculative=None).speculative is None  # no drafts: nothing to adapt
     assert EngineConfig(fused_step=False, adaptive_k=False).speculative is not None
+
+
+def test_former_graph_config_name_is_a_deprecated_alias():
+    import ascend_spec.config as config
+    with pytest.warns(DeprecationWarning, match="use GraphModeConfig"):
+        assert config.TorchairGraphConfig is config.GraphModeConfig

@@ -9,7 +9,7 @@ import pytest
 
 from ascend_spec.adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
-from ascend_spec.config import ConfigError, EngineConfig, TorchairGraphConfig
+from ascend_spec.config import ConfigError, EngineConfig, GraphModeConfig
 from ascend_spec import adaptive, k_policy
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.sampling import SamplingParams
@@ -57,7 +57,7 @@ def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained
     runner = eng.runner
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:2]]
-    plain = dataclasses.replace(inductor_config(0), graph=TorchairGraphConfig(enabled=False, backend="eager"))
+    plain = dataclasses.replace(inductor_config(0), graph=GraphModeConfig(enabled=False, backend="eager"))
     want, _, _ = load_engine(trained_dir, plain).generate(prompts, SamplingParams(), [24, 24])
 
     # The first tokens come from the eager prompt pass, before any decode graph compiles or loads: a one-token run

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ascend_spec import adaptive
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
@@ -43,7 +43,7 @@ class _NothingDeferred:
 def _engine(model_dir, k: int, fused: bool, adaptive: bool = False, max_model_len: int = 128, padded: bool = True):
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded) if k else None
     return load_engine(model_dir, EngineConfig(max_model_len=max_model_len, max_num_seqs=4, speculative=spec,
-                                               graph=TorchairGraphConfig(enabled=False, backend="eager",
+                                               graph=GraphModeConfig(enabled=False, backend="eager",
                                                                          graph_batch_sizes=(1, 2, 4)),
                                                fused_step=fused, adaptive_k=adaptive), count_host_syncs=True)
 
@@ -755,7 +755,7 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     def engine(backend):
         return load_engine(tmp_path, EngineConfig(max_model_len=4400, max_num_seqs=2, kv_blocks=300,
                                                   speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                  graph=TorchairGraphConfig(backend=backend, graph_batch_sizes=(2,)),
+                                                  graph=GraphModeConfig(backend=backend, graph_batch_sizes=(2,)),
                                                   fused_step=True, adaptive_k=False), count_host_syncs=True)
 
     eng = engine("inductor")
@@ -874,7 +874,7 @@ def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
     """The runner times what each change of K costs before its step (the rebuild, the catch-up out of K = 0) and
     hands it to the policy of the step's bucket; a forced K teaches the policy nothing."""
     def engine():
-        eager = TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4))
+        eager = GraphModeConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4))
         eng = load_engine(trained_dir, dataclasses.replace(inductor_config(2), adaptive_k=True, graph=eager))
         eng.k_policy.acceptance.offered[0] = LEARN_DRAFTS  # acceptance learned: the cost model chooses
         eng.k_policy.learning_steps = LEARN_STEPS
@@ -906,7 +906,7 @@ def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str
     verified position (the last token's is written by the step after it), and the run's stats."""
     cfg = dataclasses.replace(inductor_config(k_max), adaptive_k=True)
     if fused_backend == "eager":
-        cfg = dataclasses.replace(cfg, graph=TorchairGraphConfig(enabled=False, backend="eager",
+        cfg = dataclasses.replace(cfg, graph=GraphModeConfig(enabled=False, backend="eager",
                                                                  graph_batch_sizes=(1, 2, 4)))
     eng = load_engine(model_dir, cfg)
     if fused_backend != "eager":

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.backends import torchair as torchair_backend
 from ascend_spec.graph.backends.ge_audit import (FAILING, ConverterIndex, OpUse, audit, graph_ops,
@@ -92,7 +92,7 @@ class _Recorder:
 def _config(k: int, fused: bool, cached: bool, prefill: tuple[int, ...]) -> EngineConfig:
     return EngineConfig(max_model_len=256, max_num_seqs=2, block_size=128, kv_layout="pair",
                         speculative=SpeculativeConfig(num_speculative_tokens=k),
-                        graph=TorchairGraphConfig(backend="torchair", graph_batch_sizes=(2,),
+                        graph=GraphModeConfig(backend="torchair", graph_batch_sizes=(2,),
                                                   prefill_query_widths=prefill, use_cached_graph=cached),
                         fused_step=fused, adaptive_k=False)
 

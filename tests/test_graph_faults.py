@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ascend_spec.config import GRAPH_FAILURE_POLICIES as config_policies
-from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec_tools.fault_injection import InjectedFault, inject_graph_faults
 from ascend_spec.graph.backends import get_backend
@@ -25,7 +25,7 @@ from ascend_spec.tokenizer import TextTokenizer
 
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
          "with open(path) as f:\n", "raise ValueError("]
-GRAPH = TorchairGraphConfig(backend="eager", graph_batch_sizes=(2, 4, 8))
+GRAPH = GraphModeConfig(backend="eager", graph_batch_sizes=(2, 4, 8))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.graph.backends import get_backend
 from ascend_spec.graph.weights import load_model
@@ -53,7 +53,7 @@ def test_inductor_draft_parity_every_bucket(trained_dir, k):
 def inductor_engine(trained_dir):
     eng = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
                                                 speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                graph=TorchairGraphConfig(backend="inductor",
+                                                graph=GraphModeConfig(backend="inductor",
                                                                           graph_batch_sizes=SIZES), adaptive_k=False))
     eng.warmup(progress=False)
     return eng
@@ -64,7 +64,7 @@ def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engin
     prompts = [tok.encode(t) for t in TEXTS]
     eager = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
                                                   speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                  graph=TorchairGraphConfig(enabled=False, backend="eager")))
+                                                  graph=GraphModeConfig(enabled=False, backend="eager")))
     ref, _, ref_m = eager.generate(prompts, SamplingParams(), 40)
     got, stats, m = inductor_engine.generate(prompts, SamplingParams(), 40)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -113,9 +113,9 @@ def test_cuda_reduce_overhead_parity(trained_dir):
     cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
-    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=GraphModeConfig(enabled=False, backend="eager"),
                                                       **cfg), device="cuda").generate(prompts, SamplingParams(), 24)
-    eng = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(backend="auto", graph_batch_sizes=SIZES),
+    eng = load_engine(trained_dir, EngineConfig(graph=GraphModeConfig(backend="auto", graph_batch_sizes=SIZES),
                                                 adaptive_k=False, **cfg), device="cuda")
     assert eng.backend.name == "inductor" and eng.backend.reuses_outputs
     got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
@@ -132,9 +132,9 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
     cfg = dict(max_model_len=128, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=2))
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:4]]
-    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=TorchairGraphConfig(enabled=False, backend="eager"),
+    ref, _, _ = load_engine(trained_dir, EngineConfig(graph=GraphModeConfig(enabled=False, backend="eager"),
                                                       **cfg), device="npu").generate(prompts, SamplingParams(), 24)
-    graph = TorchairGraphConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
+    graph = GraphModeConfig(backend="torchair", graph_batch_sizes=SIZES, use_cached_graph=use_cached_graph)
     eng = load_engine(trained_dir, EngineConfig(graph=graph, adaptive_k=False, **cfg), device="npu")
     got, stats, _ = eng.generate(prompts, SamplingParams(), 24)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
@@ -146,7 +146,7 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
 def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):
     """Prompt prefills (any query width up to the widest prefill width) replay the one compiled draft graph:
     drafts equal the eager reference's, cache writes equal, and no width compiles after warm-up."""
-    widest = TorchairGraphConfig().prefill_query_widths[-1]
+    widest = GraphModeConfig().prefill_query_widths[-1]
     model = load_model(trained_dir)
     k = 2
     spec = SpeculativeConfig(num_speculative_tokens=k)

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graphs import GRAPH_NAMES
 
-GRAPH = TorchairGraphConfig(backend="eager", graph_batch_sizes=(2, 4))
+GRAPH = GraphModeConfig(backend="eager", graph_batch_sizes=(2, 4))
 
 
 def _engine(trained_dir, fused: bool):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.fused_step import make_spec_step
 from ascend_spec.graph.backends.eager import EagerBackend
@@ -104,7 +104,7 @@ def _config(fused: bool, unpadded: bool = False, max_model_len: int = 256, block
     return EngineConfig(max_model_len=max_model_len, max_num_seqs=4, block_size=block_size, kv_layout="pair",
                         speculative=SpeculativeConfig(num_speculative_tokens=3,
                                                       disable_padded_drafter_batch=unpadded),
-                        graph=TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)),
+                        graph=GraphModeConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)),
                         fused_step=fused, adaptive_k=False)
 
 

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import ConfigError, EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import dynamo_compile_count, load_engine
 from ascend_spec.graph.latent_cache import block_size_of, layout_of
 from ascend_spec.sampling import SamplingParams
@@ -27,8 +27,8 @@ def prompts(trained_dir):
 
 def _config(block_size: int, layout: str, fused: bool = True, compiled: bool = False,
             max_model_len: int = 256) -> EngineConfig:
-    graph = (TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)) if compiled
-             else TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)))
+    graph = (GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)) if compiled
+             else GraphModeConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)))
     return EngineConfig(max_model_len=max_model_len, max_num_seqs=4, block_size=block_size, kv_layout=layout,
                         speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph, fused_step=fused,
                         adaptive_k=False)
@@ -36,14 +36,14 @@ def _config(block_size: int, layout: str, fused: bool = True, compiled: bool = F
 
 @pytest.fixture(scope="module")
 def reference(trained_dir, prompts):
-    """Block 16, fused: the configuration every other test runs."""
-    out, stats, metrics = load_engine(trained_dir, _config(16, "fused")).generate(prompts, SamplingParams(),
+    """Block 16, single: the configuration every other test runs."""
+    out, stats, metrics = load_engine(trained_dir, _config(16, "single")).generate(prompts, SamplingParams(),
                                                                                    MAX_TOKENS)
     return [o.token_ids for o in out], metrics.as_dict()
 
 
-@pytest.mark.parametrize("block_size, layout, fused", [(16, "pair", True), (64, "fused", True), (128, "pair", True),
-                                                       (32, "pair", False), (128, "fused", False)])
+@pytest.mark.parametrize("block_size, layout, fused", [(16, "pair", True), (64, "single", True), (128, "pair", True),
+                                                       (32, "pair", False), (128, "single", False)])
 def test_block_size_and_layout_keep_tokens_and_acceptance(trained_dir, prompts, reference, block_size, layout,
                                                           fused):
     """5 requests over 4 slots (the batch changes composition; blocks grow and are freed and reused), the fused
@@ -75,7 +75,7 @@ def test_torchair_shapes_at_vllm_ascends_layout_compile_nothing_after_warm_up(tr
     """torchair's shape policy (rehearsed: one graph per bucket, each held to its first shapes) at vllm-ascend's
     block 128 with the nope/rope pair: warm-up makes every key the run replays, at the run's shapes; the reference
     tokens and counts."""
-    cfg = dataclasses.replace(_config(128, "pair"), graph=TorchairGraphConfig(backend="torchair-rehearsal",
+    cfg = dataclasses.replace(_config(128, "pair"), graph=GraphModeConfig(backend="torchair-rehearsal",
                                                                               graph_batch_sizes=(1, 2, 4)))
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     eng.warmup(progress=False)
@@ -103,9 +103,13 @@ def test_cuda_marks_every_cache_tensor_static(monkeypatch):
         assert len(marked) == len(want) and all(a is b for a, b in zip(marked, want)), (device, marked)
 
 
+def test_former_layout_name_still_reads():
+    assert EngineConfig(kv_layout="fused").kv_layout == "single"
+
+
 @pytest.mark.parametrize("key, value, allowed", [("block_size", 24, "multiple of 16"),
                                                  ("block_size", 0, "multiple of 16"),
-                                                 ("kv_layout", "split", "['fused', 'pair']")])
+                                                 ("kv_layout", "split", "['single', 'pair']")])
 def test_bad_block_size_or_layout_is_one_clear_error(key, value, allowed):
     with pytest.raises(ConfigError, match=rf"{key}={value!r}; allowed: .*{allowed}".replace("[", r"\[")
                        .replace("]", r"\]")):
@@ -114,11 +118,11 @@ def test_bad_block_size_or_layout_is_one_clear_error(key, value, allowed):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("block_size, layout", [(64, "fused"), (128, "pair")])
+@pytest.mark.parametrize("block_size, layout", [(64, "single"), (128, "pair")])
 def test_cuda_graphs_at_serving_block_sizes(trained_dir, prompts, block_size, layout):
     """CUDA graphs (FlashMLA's block 64; vllm-ascend's block 128 pair) give the tokens and counts the eager engine
     gives on the GPU at block 16, with every cache tensor at a static address (unmarked, replays write copies)."""
-    ref, _, ref_m = load_engine(trained_dir, _config(16, "fused"), device="cuda").generate(
+    ref, _, ref_m = load_engine(trained_dir, _config(16, "single"), device="cuda").generate(
         prompts, SamplingParams(), MAX_TOKENS)
     eng = load_engine(trained_dir, _config(block_size, layout, compiled=True), device="cuda")
     assert eng.backend.reuses_outputs

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
@@ -25,8 +25,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _engine(path, k: int | None, backend: str, count_host_syncs: bool = False):
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    graph = (TorchairGraphConfig(enabled=False, backend="eager") if backend == "eager"
-             else TorchairGraphConfig(backend=backend, graph_batch_sizes=SIZES))
+    graph = (GraphModeConfig(enabled=False, backend="eager") if backend == "eager"
+             else GraphModeConfig(backend=backend, graph_batch_sizes=SIZES))
     return load_engine(path, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=spec, graph=graph,
                                           adaptive_k=False),
                        count_host_syncs=count_host_syncs)

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.k_policy import KPolicy
 from ascend_spec.graph.latent_cache import num_blocks_for
@@ -18,7 +18,7 @@ TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class S
          "for i in range(10):\n", "with open(path) as f:\n", "raise ValueError(", "@property\ndef name(self):\n"]
 MAX_MODEL_LEN = 128
 SMALL_POOL = num_blocks_for(MAX_MODEL_LEN, 16) + 1  # one full-length sequence: 7 requests need ~3x that
-EAGER = TorchairGraphConfig(enabled=False)
+EAGER = GraphModeConfig(enabled=False)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_plain_steps_of_a_drafting_engine_need_no_draft_room(trained_dir, k, for
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS[:2]]
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    graph = TorchairGraphConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2))
+    graph = GraphModeConfig(enabled=False, backend="eager", graph_batch_sizes=(1, 2))
     # max_model_len 64: the smallest pool the engine takes holds one such sequence, 4 usable blocks
     eng = load_engine(trained_dir, EngineConfig(max_model_len=64, max_num_seqs=2, speculative=spec, graph=graph,
                                                 kv_blocks=5, adaptive_k=bool(k)))

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from ascend_spec.config import EngineConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
@@ -51,7 +51,7 @@ def test_greedy_no_spec_matches_vllm(trained_dir, tmp_path):
     theirs = json.loads(lines[-1][len("RESULT "):])
 
     eng = load_engine(trained_dir, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=None,
-                                                graph=TorchairGraphConfig(enabled=False, backend="eager")))
+                                                graph=GraphModeConfig(enabled=False, backend="eager")))
     ours = [o.token_ids for o in eng.generate(prompts, SamplingParams(), MAX_TOKENS)[0]]
     assert ours == theirs
 

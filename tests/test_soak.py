@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.latent_cache import num_blocks_for
 from ascend_spec.sampling import GREEDY, RANDOM, SamplingParams
@@ -69,12 +69,12 @@ def _round(rng: random.Random, corpus: list[int]):
 
 
 def soak(trained_dir: Path, num_steps: int, backend: str, seed: int = 0) -> SoakReport:
-    graph = TorchairGraphConfig(backend=backend, graph_batch_sizes=BUCKETS)
+    graph = GraphModeConfig(backend=backend, graph_batch_sizes=BUCKETS)
     spec = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                                  speculative=SpeculativeConfig(num_speculative_tokens=2), graph=graph,
                                                  kv_blocks=KV_BLOCKS, adaptive_k=False))
     ref = load_engine(trained_dir, EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, speculative=None,
-                                                graph=TorchairGraphConfig(enabled=False)))
+                                                graph=GraphModeConfig(enabled=False)))
     if backend != "eager":
         # the soak samples and asks for logprobs too: every path replays warm graphs
         spec.warmup(progress=False, modes=(GREEDY, RANDOM))

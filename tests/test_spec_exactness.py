@@ -6,13 +6,13 @@ token: a gap near float rounding is numerics (docs/design.md, "Exactness"), anyt
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
-EAGER = TorchairGraphConfig(enabled=False, backend="eager")
+EAGER = GraphModeConfig(enabled=False, backend="eager")
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
          "x", "    return", '"""Module docstring.\n\nThis module', "if __name__ == '__main__':\n    main(",
          "try:\n    import json\nexcept ImportError:\n", "self.assertEqual(", "def __repr__(self):\n        return",

@@ -237,7 +237,7 @@ class RecordingDraft:
         self.draft_cache = cache
         self.inputs = []
         self.model = types.SimpleNamespace(takes_host_lengths=False)  # the reference kernel's: device lengths
-        self.graph = types.SimpleNamespace(bucket_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
+        self.graph = types.SimpleNamespace(rows_for=lambda b: b if b <= 4 else None, num_failures=0, max_size=4,
                                            tokens_for=lambda b, q: (b + b % 2) * max(q, 8))  # even rows, q >= 8
         # torchair's policy: GE graphs take full-width block tables (the NPU attention op reads the live blocks)
         self.backend = types.SimpleNamespace(lint=GraphLint(strict=True), shapes=ShapePolicy(
@@ -248,7 +248,7 @@ class RecordingDraft:
         return -(-64 // self.draft_cache.shape[1])
 
     def graph_serves(self, batch: int, query: int) -> bool:  # prompt chunks up to 32 tokens replay a graph
-        return query <= 32 and self.graph.bucket_for(batch) is not None
+        return query <= 32 and self.graph.rows_for(batch) is not None
 
     def propose(self, inputs):
         self.inputs.append(inputs)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ascend_spec.config import EngineConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.sampling import SamplingParams
 
@@ -95,7 +95,7 @@ def test_reference_engine_equals_vllm(runs, moe_ckpts, k):
     ref = ok(runs, "none")
     eng = load_engine(moe_ckpts["bundled-moe"], EngineConfig(
         max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=k) if k else None,
-        graph=TorchairGraphConfig(enabled=False, backend="eager")))
+        graph=GraphModeConfig(enabled=False, backend="eager")))
     eng.eos_token_id = None  # the harness's vLLM runs ignore EOS
     outs = eng.generate(ref["prompt_token_ids"], SamplingParams(logprobs=2), RUN["max_tokens"])[0]
     assert_same_or_tie(ref, [o.token_ids for o in outs], f"ours K={k} vs vLLM no-spec")
@@ -119,7 +119,7 @@ def test_random_moe_logprobs_match_vllm(moe_ckpts, tmp_path):
     ref = ok(run_harness([{"name": "none", "drafter": "none", "max_tokens": 16, "logprobs": 5,
                            "llm": {"max_num_seqs": 4}}], path, tmp_path, timeout=900), "none")
     eng = load_engine(path, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=None,
-                                         graph=TorchairGraphConfig(enabled=False, backend="eager")))
+                                         graph=GraphModeConfig(enabled=False, backend="eager")))
     eng.eos_token_id = None  # the harness's vLLM runs ignore EOS
     outs = eng.generate(ref["prompt_token_ids"], SamplingParams(logprobs=5), 16)[0]
     assert_same_or_tie(ref, [o.token_ids for o in outs], "ours vs vLLM no-spec (random MoE)")

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from ascend_spec.adaptive import speedup_limit
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine
 from ascend_spec.fused_step import PHASE_DIMS, StepKey, make_spec_phases
 from ascend_spec.graph.weights import load_model
@@ -309,7 +309,7 @@ def main() -> None:
     k_max = max(args.ks)
     cfg = EngineConfig(max_model_len=MAX_MODEL_LEN, max_num_seqs=max(args.batches),
                        speculative=SpeculativeConfig(num_speculative_tokens=k_max),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches)),
+                       graph=GraphModeConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches)),
                                                  **({} if args.prefill_widths is None
                                                     else {"prefill_query_widths": tuple(args.prefill_widths)})),
                        adaptive_k=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine
 from ascend_spec.timing import time_call
 from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE, cache_tensors
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = EngineConfig(max_model_len=n, max_num_seqs=args.batch, fused_step=False, adaptive_k=False,
                                kv_blocks=live_blocks(n, 1 << 30, DEFAULT_BLOCK_SIZE) + args.batch * 8 + 2,
                                speculative=SpeculativeConfig(num_speculative_tokens=args.k),
-                               graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(args.batch,)))
+                               graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(args.batch,)))
             eng = Engine(load_model(model_dir), cfg)
             t0 = time.perf_counter()
             eng.warmup(progress=False)

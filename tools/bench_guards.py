@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine
 from ascend_spec.graph.backends.compile_cache import ENV_DISABLE
 from ascend_spec.graph.weights import load_model
@@ -30,7 +30,7 @@ from ascend_spec.models import BUNDLED_MODEL_DIR
 def engine(model, batches: list[int], k_max: int, guards: str) -> Engine:  # noqa: ANN001
     cfg = EngineConfig(max_model_len=512, max_num_seqs=max(batches),
                        speculative=SpeculativeConfig(num_speculative_tokens=k_max),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=tuple(batches)))
+                       graph=GraphModeConfig(backend="inductor", graph_batch_sizes=tuple(batches)))
     # Dynamo's own dispatch where graphs are not stored whole (the store needs the compile cache)
     os.environ[ENV_DISABLE] = "0" if guards == "whole" else "1"
     eng = Engine(model, cfg, device="cpu")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine, load_engine
 from ascend_spec.models import FIXTURE_MODEL_DIR
 from ascend_spec.sampling import SamplingParams
@@ -33,7 +33,7 @@ def engine(k: int, padded: bool, fused: bool) -> Engine:
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded) if k else None
     return load_engine(FIXTURE_MODEL_DIR, EngineConfig(
         max_model_len=256, max_num_seqs=4, speculative=spec, adaptive_k=False, fused_step=fused,
-        graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(1, 2, 4))))
+        graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2, 4))))
 
 
 def main() -> None:

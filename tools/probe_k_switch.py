@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, TorchairGraphConfig
+from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import FIXTURE_MODEL_DIR
@@ -164,7 +164,7 @@ def main() -> None:
     prompts = [tok.encode(p) for p in (PROMPTS * 4)[: 2 * args.batch]]
     cfg = EngineConfig(max_model_len=256, max_num_seqs=args.batch,
                        speculative=SpeculativeConfig(num_speculative_tokens=args.k_max),
-                       graph=TorchairGraphConfig(backend="inductor", graph_batch_sizes=(args.batch,)), adaptive_k=True)
+                       graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(args.batch,)), adaptive_k=True)
     eng = Engine(model, cfg, device=args.device)
     eng.eos_token_id = None
     t0 = time.perf_counter()

@@ -37,8 +37,7 @@ Modules
 Dynamo's tracing
     The payload above holds no Dynamo trace: a start from it traces every graph again. Where graphs can be saved
     whole (CPU inductor) the engine uses :mod:`.aot_graphs` instead, with entries in this folder and this file
-    format, one per graph. ``TORCH_CACHING_PRECOMPILE=1`` (Dynamo entries in this payload) crashes the second
-    start in torch 2.13 on this code (un-pickling a guard on an imported module) and is not used.
+    format, one per graph. ``TORCH_CACHING_PRECOMPILE=1`` is not used: why, in docs/startup.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Which of Dynamo's guards a compiled step keeps: those on what changes between calls, not on what never does.
-
-A step graph closes over the model, K, the sampling mode and ``max_model_len``; a fixed graph key fixes them all
-(``fused_step``, ``graph.buckets``). Dynamo still re-checks, on every call, each module, parameter, closure cell
-and imported global the trace touched: 700-1,100 guards for the bundled model's fused steps, a Python shape-guard
-function among them. Its cache lookup took 0.57-0.81 ms a step with them and 0.07-0.09 ms with this filter
-(profiled, batch 1 and 8, 2 x86 cores), the same at every batch size and, on a 61-layer model, more guards
-still. ``tools/bench_guards.py`` times steps both ways side by side.
+A graph key already fixes the model, K, the sampling mode and ``max_model_len``, so guards on them only cost time.
 
 ``keep_input_guards`` keeps what the caller passes and can change: each input tensor's dtype, device, rank,
 static sizes and strides (``TENSOR_MATCH`` of every tensor that is not a model parameter), the dynamic
@@ -14,7 +8,7 @@ of the inputs, and the global state a graph depends on (grad mode, default devic
 torch-function mode). It drops guards on parameters (their metadata is fixed at load; the graph reads their
 current values each call), on the closure (the graph key already fixes it) and on module globals. The contract
 this needs: a graph serves the model it was built for; a model whose parameters change shape or dtype gets new
-graphs (a new engine), as it does today.
+graphs (a new engine). What the dropped guards cost a step: docs/performance.md, "Dynamo's guards on CPU".
 """
 from __future__ import annotations
 

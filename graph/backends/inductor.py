@@ -48,8 +48,7 @@ class InductorBackend:
         #: MKL's sgemm is far faster with the few tokens of a decode step as the right operand (graph.layers.Linear)
         self.weight_left_matmul = not cuda
         # Guards on the arguments only (graph.backends.guards), where the caller's graphs take every per-call value
-        # as one: the rest cost a CPU step 0.5-0.7 ms. CUDA keeps Dynamo's defaults (torch.compile takes ``mode``
-        # or ``options``, not both; unmeasured there).
+        # as one. CUDA keeps Dynamo's defaults (torch.compile takes ``mode`` or ``options``, not both).
         self.guard_filter = keep_input_guards if input_guards_only and not cuda else None
         #: where graphs are saved whole and loaded without tracing (``aot_graphs``; CPU only: CUDA graph trees
         #: over AOT-loaded graphs are unverified); the engine sets it when its compile cache is on
