@@ -67,6 +67,9 @@ class PagedInputs(NamedTuple):
     #: each real token on its own position. An upper bound
     #: where the exact length follows acceptance (draft steps 2..K). Only :func:`npu_mla` reads it.
     seq_lens_host: tuple[int, ...] | None = None
+    #: the KV lengths are ``seq_lens`` itself, handed to the op as a device tensor (torchair's tensor-length
+    #: attention, GE mode only; ``seq_lens_host`` is None then): the draft chain's exact lengths, no host read
+    kv_lens_on_device: bool = False
 
 
 #: The latent cache of one layer: ``kv_c [num_blocks, block_size, C]`` and ``kv_pe [num_blocks, block_size, R]``.
@@ -144,6 +147,10 @@ NPU_ATTENTION_OP = "npu_fused_infer_attention_score"
 NPU_ATTENTION_KWARGS = ("query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
                         "block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv", "atten_mask",
                         "sparse_mode")
+#: torchair's own registration of the op (``torch.ops.air.*``, ``torchair/ops/_npu_fused_infer_attention_score.py``)
+#: with ``Tensor?`` lengths: its GE converter feeds them to the graph's FusedInferAttentionScore as they are, and its
+#: eager kernels only raise (GE mode, ``max-autotune``, only)
+NPU_DEVICE_LENGTHS_OP = "npu_fused_infer_attention_score"
 #: query ``[T, N, D]`` (T = all requests' tokens), output ``[N, T, D]``: vllm-ascend's speculative MLA decode layout
 NPU_INPUT_LAYOUT = "TND_NTD"
 #: the op's rightDownCausal mode takes this fixed-size "optimised" mask (1 = masked), never a per-batch one
@@ -164,8 +171,12 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
                          "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
     # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
     # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by
-    # strict graphs, never hidden.
-    kv_lens = list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist()
+    # strict graphs, never hidden. The one exception: a GE graph takes device lengths (``kv_lens_on_device``);
+    # eagerly (a failed graph's rerun) the same exact lengths are read back instead, since torchair's
+    # tensor-length op runs in GE graphs only.
+    device_lens = inp.kv_lens_on_device and torch.compiler.is_compiling()
+    kv_lens = (None if device_lens else
+               list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist())
     num_blocks, block = kv_c.shape[0], kv_c.shape[1]
     # With rope inputs the op takes 32, 64 or 128 query heads (torch_npu's docs); vllm-ascend pads to the next
     # power of two. Padded heads get a discarded result.
@@ -184,12 +195,19 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
         # at block 0, whose keys only the inert queries there see.
         table = F.pad(table, (0, -(-(q_len - 1) // block)))
     key = kv_c.view(num_blocks, 1, block, c)  # (blocknum, KV_N, blocksize, D): KV_N = 1, the same memory
-    out, _ = torch_npu.npu_fused_infer_attention_score(
+    q_lens: list[int] | torch.Tensor = [q_len * (i + 1) for i in range(b)]
+    fia = torch_npu.npu_fused_infer_attention_score
+    if device_lens:
+        # torchair's op of the same arguments with Tensor lengths (both of them: its schema has no int lists)
+        fia = getattr(torch.ops.air, NPU_DEVICE_LENGTHS_OP)
+        q_lens = torch.arange(1, b + 1, dtype=torch.int64, device=q_lat.device) * q_len
+        kv_lens = inp.seq_lens.to(torch.int64)
+    out, _ = fia(
         query.contiguous(), key, key,
         query_rope=query_rope.contiguous(), key_rope=kv_pe.view(num_blocks, 1, block, kv_pe.shape[-1]),
         num_heads=h_op, num_key_value_heads=1, input_layout=NPU_INPUT_LAYOUT, scale=scale,
         block_table=table, block_size=block,
-        actual_seq_lengths=[q_len * (i + 1) for i in range(b)], actual_seq_lengths_kv=kv_lens,
+        actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens,
         atten_mask=mask, sparse_mode=3 if causal else 0)
     return out[:h].view(h, b, q_len, c).permute(1, 2, 0, 3)  # NTD -> [B, Q, H, C]
 
