@@ -66,6 +66,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``ge_unconverted_op``: the fused step draws Exp(1) noise inside the graph (``exponential_``, whose torchair
   converter only raises) and adds it, times zero, to the next start positions. Fails
   ``test_ge_op_audit.py::test_every_op_converts`` (``aten.exponential.default``: not implemented).
+- ``ge_draft_host_lengths``: GE mode's default draft KV lengths resolve to the host's upper bound. Fails
+  ``test_draft_kv_lengths.py::test_exact_device_lengths_draft_what_the_reference_drafts`` (acceptance per
+  position unlike the reference kernel's).
 """
 from __future__ import annotations
 
@@ -385,3 +388,13 @@ def ge_unconverted_op() -> None:
         return spec_step
 
     fused_step.make_spec_step = make_spec_step
+
+
+@_plant
+def ge_draft_host_lengths() -> None:
+    from ascend_spec.graph.backends import torchair
+
+    original = torchair.resolve_draft_kv_lengths
+    # the defect: GE mode's default hands the draft chain the host's upper bound again
+    torchair.resolve_draft_kv_lengths = lambda setting, mode: original(
+        "upper_bound" if setting == "auto" else setting, mode)
