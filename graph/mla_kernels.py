@@ -38,10 +38,16 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   sources dynamic (vllm-ascend v0.11.0 compiled with ``dynamic=True`` and ``mark_static`` on every tensor;
   ``torch.compiler.config.dynamic_sources`` does it for the named sources only). Pad rows pass 0, as
   vllm-ascend pads ``seq_lens_list``. The draft chain's steps 2..K have lengths that follow acceptance, known
-  only on the device; there the host passes an upper bound, the verify's length plus the step
-  (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its ``seq_lens_cpu + 1`` per step,
-  no sync): a draft token may then also attend to the keys of rejected positions, which can cost acceptance,
-  never correctness (the target verifies every draft with exact lengths).
+  only on the device. In GE mode (``max-autotune``, ``draft_kv_lengths`` ``auto`` or ``exact``) they reach the
+  op as that tensor (``PagedInputs.kv_lens_on_device``) through torchair's own registration of the op with
+  ``Tensor?`` lengths (``torch.ops.air.npu_fused_infer_attention_score``, ``torchair/ops/``; the
+  ``torch.ops.npu`` schema takes ``SymInt[]`` only), whose GE converter hands them to the graph's
+  FusedInferAttentionScore as they are and whose eager kernels only raise. Elsewhere (npugraph_ex, which
+  re-feeds host lengths on replay; ``upper_bound``; an eager run) the host passes an upper bound, the verify's
+  length plus the step (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its
+  ``seq_lens_cpu + 1`` per step, no sync): a draft token may then also attend to the keys of rejected
+  positions, which can cost acceptance, never correctness (the target verifies every draft with exact
+  lengths). Figures: ``docs/draft-kv-lengths.md``.
 Pad rows (``seq_lens == 0``) get a finite, discarded result.
 """
 from __future__ import annotations
@@ -69,6 +75,7 @@ class PagedInputs(NamedTuple):
     seq_lens_host: tuple[int, ...] | None = None
     #: the KV lengths are ``seq_lens`` itself, handed to the op as a device tensor (torchair's tensor-length
     #: attention, GE mode only; ``seq_lens_host`` is None then): the draft chain's exact lengths, no host read
+    #: Set while compiling only: torchair's Tensor-length op has no eager kernel.
     kv_lens_on_device: bool = False
 
 
@@ -171,10 +178,8 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
                          "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
     # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
     # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by
-    # strict graphs, never hidden. The one exception: a GE graph takes device lengths (``kv_lens_on_device``);
-    # eagerly (a failed graph's rerun) the same exact lengths are read back instead, since torchair's
-    # tensor-length op runs in GE graphs only.
-    device_lens = inp.kv_lens_on_device and torch.compiler.is_compiling()
+    # strict graphs, never hidden. A GE graph's draft chain takes them as a tensor instead (``kv_lens_on_device``).
+    device_lens = inp.kv_lens_on_device
     kv_lens = (None if device_lens else
                list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist())
     num_blocks, block = kv_c.shape[0], kv_c.shape[1]

@@ -85,13 +85,14 @@ def _import_torchair() -> Any:
     return torchair
 
 
-def _register_device_length_attention() -> None:
+def _register_device_length_attention(torchair: Any) -> None:
     """torchair defines ``torch.ops.air.npu_fused_infer_attention_score`` when its module is first imported (what
-    ``torchair.ops.npu_fused_infer_attention_score`` does on each call); import it here, outside any graph."""
-    if not hasattr(torch.ops.air, NPU_DEVICE_LENGTHS_OP):
+    ``torchair.ops.npu_fused_infer_attention_score`` does on each call); import it here, outside any graph. A
+    stand-in torchair (no module) declares the op itself."""
+    if not hasattr(torch.ops.air, NPU_DEVICE_LENGTHS_OP) and isinstance(torchair, types.ModuleType):
         import importlib
 
-        importlib.import_module("torchair.ops._npu_fused_infer_attention_score")
+        importlib.import_module(f"{torchair.__name__}.ops._npu_fused_infer_attention_score")
 
 
 class TorchairBackend:
@@ -115,7 +116,7 @@ class TorchairBackend:
             # under tensor parallel (verified against the wheel's sources only: tests/test_torchair_contract.py).
             self._torchair.patch_for_hcom()
         if self.exact_draft_lengths:
-            _register_device_length_attention()
+            _register_device_length_attention(self._torchair)
         config = apply_settings(self._torchair.CompilerConfig(), compiler_config_settings(opts))
         self._npu_backend = self._torchair.get_npu_backend(compiler_config=config)
         self._config = config
