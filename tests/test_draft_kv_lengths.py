@@ -47,6 +47,39 @@ def test_the_setting_defaults_per_mode_and_refuses_what_a_mode_cannot_run():
         TorchairGraphConfig.from_dict({"mode": "npugraph_ex", "draft_kv_lengths": "exact"})
 
 
+def test_torchairs_tensor_length_op_takes_device_lengths_in_ge_graphs_only(wheel_sources):  # noqa: F811
+    """What ``npu_mla``'s device lengths rely on in the torch_npu 2.14.0 wheel: ``torch.ops.npu``'s schema takes
+    the lengths as ``SymInt[]`` only, torchair's ``air`` op of the same arguments as ``Tensor?``; its GE converter
+    takes every keyword we pass and is implemented, its CPU and NPU kernels only raise (no eager run, no
+    npugraph_ex capture), and npugraph_ex's replay knows the ``npu`` op only."""
+    import ast
+    import zipfile
+
+    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, NPU_ATTENTION_OP
+
+    from .test_ge_op_audit import _wheel
+    from .test_torchair_contract import ACL_GRAPH
+
+    index, schemas, air = wheel_sources
+    for name in ("actual_seq_lengths", "actual_seq_lengths_kv"):
+        assert f"SymInt[]? {name}=" in schemas[NPU_ATTENTION_OP] and f"Tensor? {name}=" in air[NPU_ATTENTION_OP]
+    assert index.converters[AIR_OP].implemented
+    with zipfile.ZipFile(_wheel()) as zf:
+        source = zf.read(npu_standin.AIR_ATTENTION_SOURCE).decode()
+        acl_graph = zf.read(ACL_GRAPH).decode()
+    tree = ast.parse(source)
+    conv = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                and any(f"torch.ops.{AIR_OP}" in ast.unparse(d) for d in f.decorator_list))
+    assert set(NPU_ATTENTION_KWARGS) <= {a.arg for a in conv.args.kwonlyargs}
+    impl = next(f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                and f.name == "npu_fused_infer_attention_score_impl")
+    assert isinstance(impl.body[-1], ast.Raise) and "only support in max-autotune mode" in ast.unparse(impl)
+    for key in ('"CPU"', '"PrivateUse1"'):
+        assert f'torch.library.impl(lib, "npu_fused_infer_attention_score", {key})' \
+               f"(npu_fused_infer_attention_score_impl)" in source, key
+    assert f"torch.ops.npu.{NPU_ATTENTION_OP}.default:" in acl_graph and "torch.ops.air." not in acl_graph
+
+
 @pytest.fixture(scope="module")
 def standin(wheel_sources):  # noqa: F811
     """The ``torch_npu`` stand-in with torchair's ``air`` op declared; the converter index."""
