@@ -73,9 +73,9 @@ class PagedInputs(NamedTuple):
     #: each real token on its own position. An upper bound
     #: where the exact length follows acceptance (draft steps 2..K). Only :func:`npu_mla` reads it.
     seq_lens_host: tuple[int, ...] | None = None
-    #: the KV lengths are ``seq_lens`` itself, handed to the op as a device tensor (torchair's tensor-length
-    #: attention, GE mode only; ``seq_lens_host`` is None then): the draft chain's exact lengths, no host read
-    #: Set while compiling only: torchair's Tensor-length op has no eager kernel.
+    #: the KV lengths are ``seq_lens`` itself, handed to the op as a device tensor (torchair's Tensor-length
+    #: attention; ``seq_lens_host`` is None then): the draft chain's exact lengths, no host read. Set in GE graphs
+    #: only (``graph.steps``): that op has no eager kernel.
     kv_lens_on_device: bool = False
 
 
