@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from .graph.backends.torchair import resolve_draft_kv_lengths
 from .graph.latent_cache import DEFAULT_BLOCK_SIZE, canonical_layout
 
 SPEC_METHODS = ("deepseek_mtp", "mtp")
@@ -99,9 +100,17 @@ class GraphModeConfig:
     #: pads to the next; where the query axis is dynamic (CPU) one compile serves every width up to the largest.
     #: Wider chunks, compute-bound anyway, run eagerly; () drafts every prefill eagerly on per-shape backends.
     prefill_query_widths: tuple[int, ...] = DEFAULT_PREFILL_QUERY_WIDTHS
+    #: the draft chain's steps 2..K on the NPU attention op: ``exact`` device lengths or the host's ``upper_bound``;
+    #: ``auto``: exact in max-autotune (GE) mode, the bound in npugraph_ex (``graph.backends.torchair``)
+    draft_kv_lengths: str = "auto"
 
     def __post_init__(self) -> None:
         p = "torchair_graph_config"
+        if self.mode in GRAPH_MODES:
+            try:
+                resolve_draft_kv_lengths(self.draft_kv_lengths, self.mode)
+            except ValueError as exc:
+                raise ConfigError(f"{p}.{exc}") from None
         if self.backend not in BACKENDS:
             raise ConfigError(f"{p}.backend={self.backend!r}; allowed: {list(BACKENDS)}")
         if self.mode not in GRAPH_MODES:

@@ -62,7 +62,8 @@ class ModelRunner:
         self.backend: Backend = get_backend(
             g.effective_backend, device, mode=g.mode, frozen_parameter=g.enable_frozen_parameter,
             view_optimize=g.enable_view_optimize, tiling_schedule_optimize=g.tiling_schedule_optimize,
-            use_cached_graph=g.use_cached_graph, input_guards_only=True, graph_failure=cfg.graph_failure)
+            use_cached_graph=g.use_cached_graph, input_guards_only=True, graph_failure=cfg.graph_failure,
+            draft_kv_lengths=g.draft_kv_lengths)
         self.shapes = self.backend.shapes
         #: nominal batch buckets: graph sizes on per-shape backends, the units adaptive K is chosen for everywhere
         self.batch_sizes = g.batch_sizes(cfg.max_num_seqs)

@@ -204,7 +204,7 @@ class DraftCoreMixin:
                               frozen_parameter=g.enable_frozen_parameter, view_optimize=g.enable_view_optimize,
                               tiling_schedule_optimize=g.tiling_schedule_optimize,
                               use_cached_graph=g.use_cached_graph, distributed=self._ascend_tp > 1,
-                              graph_failure=s.graph_failure)
+                              graph_failure=s.graph_failure, draft_kv_lengths=g.draft_kv_lengths)
         k = self._draft_k
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
         backend.store = self._graph_store(backend, sizes)

@@ -35,10 +35,16 @@ over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= posit
   sources dynamic (vllm-ascend v0.11.0 compiled with ``dynamic=True`` and ``mark_static`` on every tensor;
   ``torch.compiler.config.dynamic_sources`` does it for the named sources only). Pad rows pass 0, as
   vllm-ascend pads ``seq_lens_list``. The draft chain's steps 2..K have lengths that follow acceptance, known
-  only on the device; there the host passes an upper bound, the verify's length plus the step
-  (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its ``seq_lens_cpu + 1`` per step,
-  no sync): a draft token may then also attend to the keys of rejected positions, which can cost acceptance,
-  never correctness (the target verifies every draft with exact lengths).
+  only on the device. In GE mode (``max-autotune``, ``draft_kv_lengths`` ``auto`` or ``exact``) they reach the
+  op as that tensor (``PagedInputs.kv_lens_on_device``) through torchair's own registration of the op with
+  ``Tensor?`` lengths (``torch.ops.air.npu_fused_infer_attention_score``, ``torchair/ops/``; the
+  ``torch.ops.npu`` schema takes ``SymInt[]`` only), whose GE converter hands them to the graph's
+  FusedInferAttentionScore as they are and whose eager kernels only raise. Elsewhere (npugraph_ex, which
+  re-feeds host lengths on replay; ``upper_bound``; an eager run) the host passes an upper bound, the verify's
+  length plus the step (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its
+  ``seq_lens_cpu + 1`` per step, no sync): a draft token may then also attend to the keys of rejected
+  positions, which can cost acceptance, never correctness (the target verifies every draft with exact
+  lengths). Figures: ``docs/draft-kv-lengths.md``.
 Pad rows (``seq_lens == 0``) get a finite, discarded result.
 """
 from __future__ import annotations
@@ -64,6 +70,10 @@ class PagedInputs(NamedTuple):
     #: each real token on its own position. An upper bound
     #: where the exact length follows acceptance (draft steps 2..K). Only :func:`npu_mla` reads it.
     seq_lens_host: tuple[int, ...] | None = None
+    #: the KV lengths are ``seq_lens`` itself, handed to the op as a device tensor (torchair's Tensor-length
+    #: attention; ``seq_lens_host`` is None then): the draft chain's exact lengths, no host read. Set in GE graphs
+    #: only (``graph.steps``): that op has no eager kernel.
+    kv_lens_on_device: bool = False
 
 
 #: The latent cache of one layer: ``kv_c [num_blocks, block_size, C]`` and ``kv_pe [num_blocks, block_size, R]``.
@@ -141,6 +151,10 @@ NPU_ATTENTION_OP = "npu_fused_infer_attention_score"
 NPU_ATTENTION_KWARGS = ("query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
                         "block_table", "block_size", "actual_seq_lengths", "actual_seq_lengths_kv", "atten_mask",
                         "sparse_mode")
+#: torchair's own registration of the op (``torch.ops.air.*``, ``torchair/ops/_npu_fused_infer_attention_score.py``)
+#: with ``Tensor?`` lengths: its GE converter feeds them to the graph's FusedInferAttentionScore as they are, and its
+#: eager kernels only raise (GE mode, ``max-autotune``, only)
+NPU_DEVICE_LENGTHS_OP = "npu_fused_infer_attention_score"
 #: query ``[T, N, D]`` (T = all requests' tokens), output ``[N, T, D]``: vllm-ascend's speculative MLA decode layout
 NPU_INPUT_LAYOUT = "TND_NTD"
 #: the op's rightDownCausal mode takes this fixed-size "optimised" mask (1 = masked), never a per-batch one
@@ -161,8 +175,10 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
                          "576-wide one: allocate it as a pair (kv_layout 'pair', --kv-layout pair)")
     # Callers that hold the lengths on the host pass them. Where none does (the draft chain's steps 2..K, whose
     # lengths follow acceptance), the device read below is a host sync inside the graph: counted, and refused by
-    # strict graphs, never hidden.
-    kv_lens = list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist()
+    # strict graphs, never hidden. A GE graph's draft chain takes them as a tensor instead (``kv_lens_on_device``).
+    device_lens = inp.kv_lens_on_device
+    kv_lens = (None if device_lens else
+               list(inp.seq_lens_host) if inp.seq_lens_host is not None else inp.seq_lens.tolist())
     num_blocks, block = kv_c.shape[0], kv_c.shape[1]
     # With rope inputs the op takes 32, 64 or 128 query heads (torch_npu's docs); vllm-ascend pads to the next
     # power of two. Padded heads get a discarded result.
@@ -181,12 +197,19 @@ def npu_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: CacheParts, inp: Pag
         # at block 0, whose keys only the inert queries there see.
         table = F.pad(table, (0, -(-(q_len - 1) // block)))
     key = kv_c.view(num_blocks, 1, block, c)  # (blocknum, KV_N, blocksize, D): KV_N = 1, the same memory
-    out, _ = torch_npu.npu_fused_infer_attention_score(
+    q_lens: list[int] | torch.Tensor = [q_len * (i + 1) for i in range(b)]
+    fia = torch_npu.npu_fused_infer_attention_score
+    if device_lens:
+        # torchair's op of the same arguments with Tensor lengths (both of them: its schema has no int lists)
+        fia = getattr(torch.ops.air, NPU_DEVICE_LENGTHS_OP)
+        q_lens = torch.arange(1, b + 1, dtype=torch.int64, device=q_lat.device) * q_len
+        kv_lens = inp.seq_lens.to(torch.int64)
+    out, _ = fia(
         query.contiguous(), key, key,
         query_rope=query_rope.contiguous(), key_rope=kv_pe.view(num_blocks, 1, block, kv_pe.shape[-1]),
         num_heads=h_op, num_key_value_heads=1, input_layout=NPU_INPUT_LAYOUT, scale=scale,
         block_table=table, block_size=block,
-        actual_seq_lengths=[q_len * (i + 1) for i in range(b)], actual_seq_lengths_kv=kv_lens,
+        actual_seq_lengths=q_lens, actual_seq_lengths_kv=kv_lens,
         atten_mask=mask, sparse_mode=3 if causal else 0)
     return out[:h].view(h, b, q_len, c).permute(1, 2, 0, 3)  # NTD -> [B, Q, H, C]
 

@@ -129,6 +129,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.attention_kernel = name
 
     attention_kernel = "gather"
+    #: the draft chain's steps 2..K hand attention their exact device lengths (``PagedInputs.kv_lens_on_device``)
+    #: instead of the host's upper bound: what a backend whose graphs take them says (torchair in GE mode)
+    exact_draft_lengths = False
 
     @property
     def takes_host_lengths(self) -> bool:
@@ -139,6 +142,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """What the backend chose for this model's kernels: the paged attention kernel and weight-left products
         (see ``layers.Linear``). Every choice computes the same function."""
         self.set_attention_kernel(backend.attention_kernel)
+        self.exact_draft_lengths = getattr(backend, "exact_draft_lengths", False)
         # Not on MoE models: inductor (torch 2.13, CPU) miscompiles the MTP chain's second step when the attention
         # and shared-expert products are both weight-left (wrong logits; tests/test_moe_graph.py keeps the case as
         # an expected failure, so a torch that fixes it shows).

@@ -116,8 +116,13 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table, block_size).view(-1),
                                torch.full_like(pos, -1))
             step_seq_lens = torch.where(writable, clamped + 1, live.long())
+            # Exact device lengths where the backend's graphs take them (GE mode), else the host's upper bound. A
+            # chain run eagerly (a prompt past the graph widths, a failed graph's rerun) keeps the bound: the
+            # tensor-length op runs in GE graphs only, and reading the lengths back would be a host sync.
+            on_device = model.exact_draft_lengths and seq_lens_host is not None and torch.compiler.is_compiling()
             step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens,
-                                   draft_lens_host(seq_lens_host, step, max_model_len))
+                                   None if on_device else draft_lens_host(seq_lens_host, step, max_model_len),
+                                   kv_lens_on_device=on_device)
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
             h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,
                                      step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1])

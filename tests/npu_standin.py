@@ -1,4 +1,5 @@
-"""torch_npu's ops as ``torch.ops.npu.*`` on CPU, declared with the torch_npu 2.14.0 wheel's own schemas.
+"""torch_npu's ops as ``torch.ops.npu.*`` on CPU, declared with the torch_npu 2.14.0 wheel's own schemas, and
+torchair's Tensor-length attention as ``torch.ops.air.*``, declared with the schema torchair's source defines.
 
 Traced graphs then hold ``npu.<op>.default`` nodes, as on an NPU, and run: each op's CPU kernel computes the
 formula of the op's documentation (``test_mla_kernels._fused_infer_attention_tnd``, the MoE formulas of
@@ -15,7 +16,23 @@ from ascend_spec.graph import moe_npu
 
 #: the ops our NPU path calls, beyond the MoE ones
 EXTRA_OPS = ("npu_fused_infer_attention_score", "npu_scatter_nd_update")
+#: where torchair defines ``torch.ops.air.npu_fused_infer_attention_score`` (``lib.define``) and its GE converter
+AIR_ATTENTION_SOURCE = "torch_npu/dynamo/torchair/ops/_npu_fused_infer_attention_score.py"
 _LIB: torch.library.Library | None = None
+_AIR_LIB: torch.library.Library | None = None
+
+
+def air_schemas(source: str) -> dict[str, str]:
+    """Op name → schema of every ``lib.define("...")`` of a torchair ``ops/`` source (the ``air`` namespace)."""
+    import ast
+
+    schemas = {}
+    for call in ast.walk(ast.parse(source)):
+        if (isinstance(call, ast.Call) and ast.unparse(call.func) == "lib.define" and call.args
+                and isinstance(call.args[0], ast.Constant)):
+            text = " ".join(call.args[0].value.split())
+            schemas[text.split("(", 1)[0]] = text
+    return schemas
 
 
 def _fake_kernels() -> dict[str, Callable[..., Any]]:
@@ -83,6 +100,26 @@ def _cpu_kernels() -> dict[str, Callable[..., Any]]:
 
     kernels: dict[str, Callable[..., Any]] = {"npu_fused_infer_attention_score": fia,
                                               "npu_scatter_nd_update": scatter_nd}
+    return kernels | _moe_kernels(documented)
+
+
+def _air_fia(query, key, value, **kwargs):
+    """torchair's op: the same attention, its lengths ``Tensor`` (int64, one per request) instead of ints."""
+    from .test_mla_kernels import _fused_infer_attention_tnd
+
+    schema = torch.ops.air.npu_fused_infer_attention_score.default._schema
+    named = {a.name: a.default_value for a in schema.arguments if a.has_default_value()} | kwargs
+    used = {k: named[k] for k in ("query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout",
+                                  "scale", "block_table", "block_size", "atten_mask", "sparse_mode")}
+    for name in ("actual_seq_lengths", "actual_seq_lengths_kv"):
+        lens = named[name]
+        assert isinstance(lens, torch.Tensor) and lens.dtype == torch.int64 and lens.dim() == 1, (name, lens)
+        used[name] = [int(n) for n in lens.tolist()]
+    return _fused_infer_attention_tnd(query, key, value, **used)
+
+
+def _moe_kernels(documented: Any) -> dict[str, Callable[..., Any]]:
+    kernels: dict[str, Callable[..., Any]] = {}
     for name, spec in moe_npu.NPU_MOE_CALLS.items():
         def kernel(*args, _name=name, _spec=spec, **kwargs):
             named = _bind(_name, args, kwargs)
@@ -92,10 +129,17 @@ def _cpu_kernels() -> dict[str, Callable[..., Any]]:
     return kernels
 
 
-def register(schemas: dict[str, str]) -> types.ModuleType:
-    """Declare the ops (once per process) from ``schemas`` (op → the wheel's ``func`` string); returns a
-    ``torch_npu`` stand-in module exposing them."""
-    global _LIB
+def register(schemas: dict[str, str], air: dict[str, str] | None = None) -> types.ModuleType:
+    """Declare the ops (once per process) from ``schemas`` (op → the wheel's ``func`` string) and, given ``air``
+    (:func:`air_schemas` of ``AIR_ATTENTION_SOURCE``), torchair's Tensor-length attention; returns a ``torch_npu``
+    stand-in module exposing the ``npu`` ops."""
+    global _LIB, _AIR_LIB
+    if air is not None and _AIR_LIB is None:
+        _AIR_LIB = torch.library.Library("air", "DEF")
+        _AIR_LIB.define(air["npu_fused_infer_attention_score"])
+        _AIR_LIB.impl("npu_fused_infer_attention_score", _air_fia, "CPU")
+        torch.library.register_fake("air::npu_fused_infer_attention_score",
+                                    _fake_kernels()["npu_fused_infer_attention_score"], lib=_AIR_LIB)
     names = [*moe_npu.NPU_MOE_CALLS, *EXTRA_OPS]
     if _LIB is None:
         _LIB = torch.library.Library("npu", "DEF")

@@ -69,6 +69,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``ge_unconverted_op_drafter``: the vLLM drafter's wrapper of vLLM's linear layers (``host_weights._linear``) draws
   Exp(1) noise and adds it, times zero, to the layer's output. Fails
   ``test_ge_op_audit_drafter.py::test_every_drafter_op_converts`` (``aten.exponential.default``: not implemented).
+- ``ge_draft_host_lengths``: GE mode's default draft KV lengths resolve to the host's upper bound. Fails
+  ``test_draft_kv_lengths.py::test_exact_device_lengths_draft_what_the_reference_drafts`` (acceptance per
+  position unlike the reference kernel's).
 """
 from __future__ import annotations
 
@@ -409,3 +412,13 @@ def ge_unconverted_op_drafter() -> None:
         return wrapped
 
     host_weights._linear = _linear
+
+
+@_plant
+def ge_draft_host_lengths() -> None:
+    from ascend_spec.graph.backends import torchair
+
+    original = torchair.resolve_draft_kv_lengths
+    # the defect: GE mode's default hands the draft chain the host's upper bound again
+    torchair.resolve_draft_kv_lengths = lambda setting, mode: original(
+        "upper_bound" if setting == "auto" else setting, mode)

@@ -30,7 +30,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 from . import npu_standin
-from .test_torchair_contract import GE_CONVERTERS, TORCH_NPU_VERSION, _cache_dir
+from .test_torchair_contract import GE_CONVERTERS, TORCH_NPU_VERSION, TORCHAIR_PREFIX, _cache_dir
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "ge-op-audit.md"
 TEXTS = ["def fibonacci(n):\n", "class Stack:\n"]
@@ -54,13 +54,17 @@ def wheel_sources():
     with zipfile.ZipFile(_wheel()) as zf:
         converters = {n[len(GE_CONVERTERS):]: zf.read(n).decode() for n in zf.namelist()
                       if n.startswith(GE_CONVERTERS) and n.endswith(".py")}
+        # torchair's Tensor-length attention (the draft chain's exact lengths in GE mode) registers its
+        # converter beside the op it defines, outside ge_converter/
+        air_source = zf.read(npu_standin.AIR_ATTENTION_SOURCE).decode()
+        converters[npu_standin.AIR_ATTENTION_SOURCE.removeprefix(TORCHAIR_PREFIX)] = air_source
         decl = yaml.safe_load(zf.read("torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"))
     schemas = {}
     for section in decl.values():
         for entry in section if isinstance(section, list) else ():
             if isinstance(entry, dict) and "func" in entry:
                 schemas.setdefault(entry["func"].split("(", 1)[0], entry["func"])
-    return ConverterIndex.from_sources(converters), schemas
+    return ConverterIndex.from_sources(converters), schemas, npu_standin.air_schemas(air_source)
 
 
 class _Recorder:
@@ -115,9 +119,9 @@ def moe_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def audited(wheel_sources, trained_dir, moe_dir):
-    index, schemas = wheel_sources
+    index, schemas, air = wheel_sources
     rec = _Recorder()
-    fake_npu = npu_standin.register(schemas)
+    fake_npu = npu_standin.register(schemas, air)
     mp = pytest.MonkeyPatch()
     mp.setitem(sys.modules, "torch_npu", fake_npu)
     mp.setattr(torchair_backend, "_import_torchair", rec.torchair)

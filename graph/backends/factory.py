@@ -20,10 +20,11 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autotune", frozen_parameter: bool = True,
                 view_optimize: bool = True, tiling_schedule_optimize: bool = False,
                 use_cached_graph: bool = False, distributed: bool = False, input_guards_only: bool = False,
-                graph_failure: str | None = None) -> Backend:
+                graph_failure: str | None = None, draft_kv_lengths: str = "auto") -> Backend:
     """``input_guards_only``: inductor on CPU re-checks only the guards on a graph's arguments on each call
     (``graph.backends.guards``), for callers whose graphs take every per-call value as an argument.
-    ``graph_failure``: see :func:`resolve_graph_failure`."""
+    ``graph_failure``: see :func:`resolve_graph_failure`. ``draft_kv_lengths``: torchair only, see
+    ``torchair.resolve_draft_kv_lengths``."""
     device = torch.device(device)
     resolved = resolve_backend_name(name, device)
     policy = resolve_graph_failure(graph_failure)
@@ -41,9 +42,10 @@ def get_backend(name: str, device: torch.device | str, *, mode: str = "max-autot
 
         backend = RehearsalBackend(policy)
     elif resolved == "torchair":
-        from .torchair import TorchairBackend, TorchairOptions
+        from .torchair import TorchairBackend, TorchairOptions, resolve_draft_kv_lengths
 
         backend = TorchairBackend(TorchairOptions(mode=mode, frozen_parameter=frozen_parameter,
+                                                  draft_kv_lengths=resolve_draft_kv_lengths(draft_kv_lengths, mode),
                                                   view_optimize=view_optimize,
                                                   tiling_schedule_optimize=tiling_schedule_optimize,
                                                   use_cached_graph=use_cached_graph, distributed=distributed),

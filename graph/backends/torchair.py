@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..mla_kernels import HOST_LENGTHS_SOURCES
+from ..mla_kernels import HOST_LENGTHS_SOURCES, NPU_DEVICE_LENGTHS_OP
 from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy, clone_with_name
 from .lint import GraphLint
 
@@ -19,9 +19,33 @@ from .lint import GraphLint
 _MODE_ALIASES = {"max-autotune": "max-autotune", "reduce-overhead": "reduce-overhead", "npugraph_ex": "npugraph_ex"}
 
 
+#: how the draft chain's steps 2..K give the attention op their KV lengths: ``upper_bound`` (host ints, the
+#: verify's length plus the step, as vllm-ascend's padded drafter) or ``exact`` (the ``seq_lens`` tensor the step
+#: computes on device, through torchair's Tensor-length op: GE mode only); ``auto``: exact in GE mode
+DRAFT_KV_LENGTHS = ("auto", "upper_bound", "exact")
+#: the only mode whose graphs take device lengths: npugraph_ex captures ACL kernels and re-feeds host lengths
+#: on replay, and torchair's Tensor-length op has no kernel outside a GE graph
+DEVICE_LENGTH_MODES = ("max-autotune",)
+
+
+def resolve_draft_kv_lengths(setting: str, mode: str) -> str:
+    """``upper_bound`` or ``exact`` for ``setting`` (one of ``DRAFT_KV_LENGTHS``) under torchair ``mode``; an
+    ``exact`` that the mode cannot run, or an unknown setting, raises naming the allowed values."""
+    if setting not in DRAFT_KV_LENGTHS:
+        raise ValueError(f"draft_kv_lengths={setting!r}; allowed: {list(DRAFT_KV_LENGTHS)}")
+    if setting == "auto":
+        return "exact" if mode in DEVICE_LENGTH_MODES else "upper_bound"
+    if setting == "exact" and mode not in DEVICE_LENGTH_MODES:
+        raise ValueError(f"draft_kv_lengths='exact' with mode={mode!r}; allowed there: ['auto', 'upper_bound'] "
+                         f"(exact device lengths need mode {list(DEVICE_LENGTH_MODES)})")
+    return setting
+
+
 @dataclass(frozen=True, slots=True)
 class TorchairOptions:
     mode: str = "max-autotune"
+    #: resolved: ``upper_bound`` or ``exact`` (:func:`resolve_draft_kv_lengths`)
+    draft_kv_lengths: str = "exact"
     frozen_parameter: bool = True
     view_optimize: bool = True
     tiling_schedule_optimize: bool = False
@@ -61,6 +85,16 @@ def _import_torchair() -> Any:
     return torchair
 
 
+def _register_device_length_attention(torchair: Any) -> None:
+    """torchair defines ``torch.ops.air.npu_fused_infer_attention_score`` when its module is first imported (what
+    ``torchair.ops.npu_fused_infer_attention_score`` does on each call); import it here, outside any graph. A
+    stand-in torchair (no module) declares the op itself."""
+    if not hasattr(torch.ops.air, NPU_DEVICE_LENGTHS_OP) and isinstance(torchair, types.ModuleType):
+        import importlib
+
+        importlib.import_module(f"{torchair.__name__}.ops._npu_fused_infer_attention_score")
+
+
 class TorchairBackend:
     name = "torchair"
     reuses_outputs = True
@@ -72,6 +106,8 @@ class TorchairBackend:
 
     def __init__(self, opts: TorchairOptions, graph_failure: str = "eager") -> None:
         self.opts = opts
+        #: steps 2..K of the draft chain take their exact device lengths (``graph.model``)
+        self.exact_draft_lengths = resolve_draft_kv_lengths(opts.draft_kv_lengths, opts.mode) == "exact"
         self.graph_failure = graph_failure
         self.lint = GraphLint(strict=graph_failure == "raise")
         self._torchair = _import_torchair()
@@ -79,6 +115,8 @@ class TorchairBackend:
             # Lower torch.distributed collectives in the graph to HCOM ops, as vllm-ascend's torchair mode did
             # under tensor parallel (verified against the wheel's sources only: tests/test_torchair_contract.py).
             self._torchair.patch_for_hcom()
+        if self.exact_draft_lengths:
+            _register_device_length_attention(self._torchair)
         config = apply_settings(self._torchair.CompilerConfig(), compiler_config_settings(opts))
         self._npu_backend = self._torchair.get_npu_backend(compiler_config=config)
         self._config = config
