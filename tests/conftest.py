@@ -145,9 +145,9 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
 
 def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500,
                 runner: str = "v1") -> dict[str, dict]:
-    """vLLM engine runs of ``compat/harness.py`` on ``checkpoint`` (one process, engine core in-process) on vLLM's
+    """vLLM engine runs of ``vllm_harness.py`` on ``checkpoint`` (one process, engine core in-process) on vLLM's
     ``runner`` model runner: name → result. Fails with the log's tail when the harness does."""
-    from ascend_spec.compat.harness import runner_env
+    from ascend_spec_tools.vllm_harness import runner_env
 
     import json
     import os
@@ -159,7 +159,7 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
     env = runner_env(runner, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     env.pop("VLLM_PLUGINS", None)
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
                                "--checkpoint", str(checkpoint)], cwd=Path(__file__).resolve().parent.parent, env=env,
                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"

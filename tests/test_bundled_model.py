@@ -60,7 +60,7 @@ def test_loads_and_drafts_in_vllm(bundled_dir, tmp_path):
     def harness(configs: list[dict], name: str, kv_gib: str = "1") -> dict[str, dict]:
         cfg, out = tmp_path / f"{name}.json", tmp_path / f"{name}-results.json"
         cfg.write_text(json.dumps(configs))
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
                                "--checkpoint", str(bundled_dir)], cwd=Path(__file__).resolve().parent.parent,
                               env={**env, "VLLM_CPU_KVCACHE_SPACE": kv_gib}, capture_output=True, text=True,
                               timeout=900)

@@ -1,5 +1,5 @@
 """vLLM's V2 model runner (its default wherever Triton runs) with our drafter as its MTP speculator, in the real
-engine on this CPU: Triton's interpreter runs V2's kernels (``compat.harness.runner_env``, ``tools/triton_cpu``).
+engine on this CPU: Triton's interpreter runs V2's kernels (``vllm_harness.runner_env``, ``tools/triton_cpu``).
 
 One harness process holds every V2 engine of this module (one import of vLLM). Greedy tokens: ours == vLLM's V2
 ``MTPSpeculator`` == no speculation at K = 1, 2, 3; the same counters (acceptance at least 0.95x vLLM's); tensor
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ascend_spec.compat.harness import CHECKPOINT, PROMPTS
+from ascend_spec_tools.vllm_harness import CHECKPOINT, PROMPTS
 
 from .conftest import SPEC_COUNTERS, assert_moe_counters_close, run_harness
 
