@@ -26,10 +26,9 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import inductor_config
+from .support import CODE_MAX_TOKENS, CODE_TEXTS
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-         "for i in range(10):\n", "    return"]
-MAX_TOKENS = [30, 50, 20, 60, 40]
+TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
 MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingParams(temperature=1.0),
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
 

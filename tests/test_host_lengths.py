@@ -26,11 +26,10 @@ from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import random_model
 from .npu_standin import add_cache_write
+from .support import CODE_MAX_TOKENS, CODE_TEXTS
 from .test_mla_kernels import _batch, _fused_infer_attention_tnd
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-         "for i in range(10):\n", "    return"]
-MAX_TOKENS = [30, 50, 20, 60, 40]
+TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
 
 
 def test_draft_steps_bound_their_lengths_on_the_host():
