@@ -65,6 +65,7 @@ def fixed_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(AdaptiveK, "observe_switch", lambda self, *args, **kwargs: None)
 
 
+@pytest.mark.slow
 def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store, monkeypatch):
     """Adaptive K_max = 2, two prompts: a one-token run compiles nothing (its tokens come from the prompt pass);
     warm-up, at the first decode step, compiles the step at K = 2 only, what runs while acceptance is

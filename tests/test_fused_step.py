@@ -120,6 +120,7 @@ def test_attention_keys_read_show_rows_padded_to_the_longest(trained_dir, prompt
     assert 1.0 <= ratio["alike"] and ratio["apart"] > 1.1 * ratio["alike"], ratio
 
 
+@pytest.mark.slow
 def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts):
     eng = _engine(trained_dir, 3, fused=True, adaptive=True)
     eng.warmup(progress=False)
@@ -701,6 +702,7 @@ def test_live_blocks_cover_the_longest_request():
         assert live_blocks(n, 1000, 16) * 16 >= n > (live_blocks(n, 1000, 16) - 1) * 16
 
 
+@pytest.mark.slow
 def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
     """inductor: one fused graph per (K, sampling mode, logprobs) — no batch bucket, no context width in the
     key. Warm-up compiles what the requests need; the run (batches 1..4, contexts from the prompt to
@@ -734,6 +736,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]
 
 
+@pytest.mark.slow
 def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     """max_model_len above 4,096 (257+ blocks): inductor compiles a second variant of a dynamic-width graph past
     256 blocks (its own guard); warm-up replays widths up to the full one, so a request near max_model_len and
@@ -769,6 +772,7 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
 def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused):
     """Inductor, disable_padded_drafter_batch: the unpadded layout keeps the verify width, so the graphs warm-up
@@ -791,6 +795,7 @@ def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 2])
 def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     """Inductor: a lone request runs through a one-row graph at any K (padded to two rows, a K = 2 step verified
@@ -812,6 +817,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 def test_first_warms_the_rows_the_run_batches_need(trained_dir, prompts):
     """``warm_graphs: first`` (the CLI's default): one request warms its one-row step graph, no batch graph, and
     its prompt runs eagerly (prompt graphs pay for runs of many prompts); a later run of two compiles the batch
@@ -869,6 +875,7 @@ def _scripted_k(eng, k_of_step) -> dict:
     return seen
 
 
+@pytest.mark.slow
 def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
     """The runner times what each change of K costs before its step (the rebuild, the catch-up out of K = 0) and
     hands it to the policy of the step's bucket; a forced K teaches the policy nothing."""
