@@ -62,7 +62,7 @@ def v2_runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
     tmp = tmp_path_factory.mktemp("vllm_v2")
     runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")), CHECKPOINT,
-                       tmp, runner="v2", timeout=2400)
+                       tmp, runner="v2", timeout=2400, processes=2)
     runs["stats_dir"] = tmp / "tp2_stats"
     print(f"\n{len(runs)} vLLM V2 engine runs in {time.time() - t0:.0f} s")
     return runs
