@@ -875,7 +875,6 @@ def _scripted_k(eng, k_of_step) -> dict:
     return seen
 
 
-@pytest.mark.slow
 def test_each_change_of_k_is_timed_for_the_buckets_policy(trained_dir, prompts):
     """The runner times what each change of K costs before its step (the rebuild, the catch-up out of K = 0) and
     hands it to the policy of the step's bucket; a forced K teaches the policy nothing."""
@@ -924,7 +923,7 @@ def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str
     return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
 
 
-@pytest.mark.parametrize("fused_backend", ["eager", "inductor"])
+@pytest.mark.parametrize("fused_backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fused_backend):
     """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
     positions are written from the target hidden states the K = 0 steps kept, so its draft cache equals that of an
