@@ -150,7 +150,9 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
     vLLM's ``runner`` model runner: name → result. ``processes`` > 1 deals the runs round-robin to that many harness
     processes running side by side, for runs independent of each other: one harness process keeps about one core
     busy, and this host kind has two. Fails with the log's tail when a harness does."""
-    groups = [configs[i::processes] for i in range(processes)]
+    # each process gets its share of every drafter's runs: ours compile graphs, and lists often alternate drafters
+    dealt = sorted(configs, key=lambda c: str(c.get("drafter", "")))
+    groups = [dealt[i::processes] for i in range(processes)]
     procs = [_start_harness(group, checkpoint, tmp / f"harness{i}" if processes > 1 else tmp, runner)
              for i, group in enumerate(groups) if group]
     results: dict[str, dict] = {}
