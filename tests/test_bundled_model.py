@@ -29,6 +29,7 @@ def test_depth_ratio_size_and_card(bundled_dir):
     assert f"{cfg.num_hidden_layers} decoder layers" in card
 
 
+@pytest.mark.slow
 def test_greedy_speculation_is_exact_on_the_bundled_model(bundled_dir):
     tok = TextTokenizer(bundled_dir)
     prompts = [tok.encode(t) for t in TEXTS]

@@ -53,6 +53,7 @@ def prompts(trained_dir):
     return [tok.encode(t) for t in TEXTS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
 def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):

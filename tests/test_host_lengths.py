@@ -109,6 +109,7 @@ def _config(fused: bool, unpadded: bool = False, max_model_len: int = 256, block
 
 @pytest.mark.parametrize("fused, unpadded", [(True, False), (False, False), (True, True)],
                          ids=["fused", "step_by_step", "unpadded"])
+@pytest.mark.slow
 def test_npu_attention_reads_no_device_length(trained_dir, npu_attention, monkeypatch, fused, unpadded):
     """vllm-ascend's layout (block 128, nope and rope apart), K = 3, 5 requests over 4 slots: prompts, verifies and
     draft chains all hand the op host lengths (0 host syncs), the greedy tokens equal the reference kernel's, and
@@ -153,6 +154,7 @@ def test_a_verify_block_reaching_past_max_model_len_keeps_its_real_tokens_exact(
     assert not torch.allclose(clamped[0, :2], ref[0, :2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
 def test_npu_attention_to_the_end_of_max_model_len(trained_dir, npu_attention, monkeypatch, fused):
     """Every request runs into ``max_model_len`` (48, three blocks of 16): the last verifies' query blocks reach past
