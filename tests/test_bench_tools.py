@@ -31,6 +31,7 @@ def test_bench_gemm_times_every_kernel_per_token_count():
     assert all(float(cell.split()[0]) > 0 for row in rows for cell in row[1:])
 
 
+@pytest.mark.slow
 def test_bench_moe_runs_a_shape():
     rows = table_rows(run_tool("bench_moe.py", "--experts", "16", "--topk", "2", "--tokens", "2", "--repeats", "1"))
     assert any(r[:3] == ["16", "2", "2"] for r in rows), rows

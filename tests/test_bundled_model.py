@@ -29,6 +29,7 @@ def test_depth_ratio_size_and_card(bundled_dir):
     assert f"{cfg.num_hidden_layers} decoder layers" in card
 
 
+@pytest.mark.slow
 def test_greedy_speculation_is_exact_on_the_bundled_model(bundled_dir):
     tok = TextTokenizer(bundled_dir)
     prompts = [tok.encode(t) for t in TEXTS]
@@ -60,7 +61,7 @@ def test_loads_and_drafts_in_vllm(bundled_dir, tmp_path):
     def harness(configs: list[dict], name: str, kv_gib: str = "1") -> dict[str, dict]:
         cfg, out = tmp_path / f"{name}.json", tmp_path / f"{name}-results.json"
         cfg.write_text(json.dumps(configs))
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
                                "--checkpoint", str(bundled_dir)], cwd=Path(__file__).resolve().parent.parent,
                               env={**env, "VLLM_CPU_KVCACHE_SPACE": kv_gib}, capture_output=True, text=True,
                               timeout=900)

@@ -63,6 +63,7 @@ def test_cli_json(capsys, tmp_path):
     assert data["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_cli_no_spec_matches_spec_text(capsys):
     args = ["--json", "--backend", "eager", "--prompt", "class Stack:\n", "--max-tokens", "20"]
     _, spec_out, _ = _run_cli(capsys, *args)

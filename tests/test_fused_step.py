@@ -26,10 +26,9 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import inductor_config
+from .support import CODE_MAX_TOKENS, CODE_TEXTS
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-         "for i in range(10):\n", "    return"]
-MAX_TOKENS = [30, 50, 20, 60, 40]
+TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
 MIXED = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(), SamplingParams(temperature=1.0),
          SamplingParams(temperature=0.7, top_p=0.9), SamplingParams()]
 
@@ -54,6 +53,7 @@ def prompts(trained_dir):
     return [tok.encode(t) for t in TEXTS]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 1, 3])
 @pytest.mark.parametrize("sampling", ["greedy", "mixed"])
 def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
@@ -121,6 +121,7 @@ def test_attention_keys_read_show_rows_padded_to_the_longest(trained_dir, prompt
     assert 1.0 <= ratio["alike"] and ratio["apart"] > 1.1 * ratio["alike"], ratio
 
 
+@pytest.mark.slow
 def test_adaptive_k_keeps_greedy_output_and_reports_choice(trained_dir, prompts):
     eng = _engine(trained_dir, 3, fused=True, adaptive=True)
     eng.warmup(progress=False)
@@ -702,6 +703,7 @@ def test_live_blocks_cover_the_longest_request():
         assert live_blocks(n, 1000, 16) * 16 >= n > (live_blocks(n, 1000, 16) - 1) * 16
 
 
+@pytest.mark.slow
 def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
     """inductor: one fused graph per (K, sampling mode, logprobs) — no batch bucket, no context width in the
     key. Warm-up compiles what the requests need; the run (batches 1..4, contexts from the prompt to
@@ -735,6 +737,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     assert [o.token_ids for o in got] == [o.token_ids for o in ref_mixed]
 
 
+@pytest.mark.slow
 def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     """max_model_len above 4,096 (257+ blocks): inductor compiles a second variant of a dynamic-width graph past
     256 blocks (its own guard); warm-up replays widths up to the full one, so a request near max_model_len and
@@ -770,6 +773,7 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
 def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused):
     """Inductor, disable_padded_drafter_batch: the unpadded layout keeps the verify width, so the graphs warm-up
@@ -792,6 +796,7 @@ def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [0, 2])
 def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     """Inductor: a lone request runs through a one-row graph at any K (padded to two rows, a K = 2 step verified
@@ -813,6 +818,7 @@ def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
 
 
+@pytest.mark.slow
 def test_first_warms_the_rows_the_run_batches_need(trained_dir, prompts):
     """``warm_graphs: first`` (the CLI's default): one request warms its one-row step graph, no batch graph, and
     its prompt runs eagerly (prompt graphs pay for runs of many prompts); a later run of two compiles the batch
@@ -918,7 +924,7 @@ def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str
     return out[0].token_ids, cache.view(-1, cache.shape[-1])[slots], stats
 
 
-@pytest.mark.parametrize("fused_backend", ["eager", "inductor"])
+@pytest.mark.parametrize("fused_backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_drafting_resumes_after_k0_on_a_whole_mtp_cache(trained_dir, prompts, fused_backend):
     """K = 0 steps (adaptive K) run no MTP layer; when the request drafts again, the MTP cache entries of those
     positions are written from the target hidden states the K = 0 steps kept, so its draft cache equals that of an

@@ -32,6 +32,9 @@ from ascend_spec.tokenizer import TextTokenizer
 from . import npu_standin
 from .test_torchair_contract import GE_CONVERTERS, TORCH_NPU_VERSION, TORCHAIR_PREFIX, _cache_dir
 
+#: every test here builds compiled engines or graphs (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "ge-op-audit.md"
 TEXTS = ["def fibonacci(n):\n", "class Stack:\n"]
 #: tokens per request: the prompt's, then two steps (enough to run every step graph once after warm-up)

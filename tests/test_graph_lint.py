@@ -85,6 +85,7 @@ def test_strict_refuses_the_graph_naming_op_and_line():
         _lint(item)
 
 
+@pytest.mark.slow
 def test_inductor_backend_lints_what_it_compiles():
     strict, lenient = get_backend("inductor", "cpu", graph_failure="raise"), get_backend("inductor", "cpu",
                                                                                           graph_failure="eager")

@@ -29,6 +29,7 @@ def test_public_methods_keep_base_signatures():
         assert inspect.signature(getattr(MtpTorchairProposer, name)) == inspect.signature(getattr(MtpProposer, name)), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_inductor_draft_parity_every_bucket(trained_dir, k):
     tok = TextTokenizer(trained_dir)
@@ -59,6 +60,7 @@ def inductor_engine(trained_dir):
     return eng
 
 
+@pytest.mark.slow
 def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engine):
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS]
@@ -74,6 +76,7 @@ def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engin
     assert stats.graph_failures == 0 and stats.graph_host_ops == 0
 
 
+@pytest.mark.slow
 def test_zero_recompiles_over_1000_steps(trained_dir, inductor_engine):
     tok = TextTokenizer(trained_dir)
     rng = random.Random(0)
@@ -143,6 +146,7 @@ def test_npu_torchair_parity(trained_dir, use_cached_graph):
     assert stats.graph_host_ops == 0 and stats.recompiles_after_warmup == 0
 
 
+@pytest.mark.slow
 def test_prefill_widths_draft_through_the_compiled_graph(trained_dir):
     """Prompt prefills (any query width up to the widest prefill width) replay the one compiled draft graph:
     drafts equal the eager reference's, cache writes equal, and no width compiles after warm-up."""

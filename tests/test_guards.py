@@ -12,7 +12,7 @@ from ascend_spec.graph.backends import inductor
 
 from .conftest import inductor_config
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def _recording(kept: list[list[tuple[str, str, bool]]]):

@@ -26,11 +26,10 @@ from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import random_model
 from .npu_standin import add_cache_write
+from .support import CODE_MAX_TOKENS, CODE_TEXTS
 from .test_mla_kernels import _batch, _fused_infer_attention_tnd
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-         "for i in range(10):\n", "    return"]
-MAX_TOKENS = [30, 50, 20, 60, 40]
+TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
 
 
 def test_draft_steps_bound_their_lengths_on_the_host():
@@ -110,6 +109,7 @@ def _config(fused: bool, unpadded: bool = False, max_model_len: int = 256, block
 
 @pytest.mark.parametrize("fused, unpadded", [(True, False), (False, False), (True, True)],
                          ids=["fused", "step_by_step", "unpadded"])
+@pytest.mark.slow
 def test_npu_attention_reads_no_device_length(trained_dir, npu_attention, monkeypatch, fused, unpadded):
     """vllm-ascend's layout (block 128, nope and rope apart), K = 3, 5 requests over 4 slots: prompts, verifies and
     draft chains all hand the op host lengths (0 host syncs), the greedy tokens equal the reference kernel's, and
@@ -154,6 +154,7 @@ def test_a_verify_block_reaching_past_max_model_len_keeps_its_real_tokens_exact(
     assert not torch.allclose(clamped[0, :2], ref[0, :2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "step_by_step"])
 def test_npu_attention_to_the_end_of_max_model_len(trained_dir, npu_attention, monkeypatch, fused):
     """Every request runs into ``max_model_len`` (48, three blocks of 16): the last verifies' query blocks reach past

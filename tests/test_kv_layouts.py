@@ -13,10 +13,9 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 from .conftest import generate_without_recompiles
+from .support import CODE_MAX_TOKENS, CODE_TEXTS
 
-TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
-         "for i in range(10):\n", "    return"]
-MAX_TOKENS = [30, 50, 20, 60, 40]
+TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +56,7 @@ def test_block_size_and_layout_keep_tokens_and_acceptance(trained_dir, prompts, 
     assert stats.host_syncs == 0, stats.host_sync_events[:5]
 
 
+@pytest.mark.slow
 def test_compiled_pair_cache_of_block_64_replays_warm_graphs(trained_dir, prompts, reference):
     """Inductor at block 64 with the nope/rope pair: the reference tokens and counts, no compile after warm-up
     (the table widths warm-up replayed are those the run passes), no host sync."""
@@ -71,6 +71,7 @@ def test_compiled_pair_cache_of_block_64_replays_warm_graphs(trained_dir, prompt
     assert metrics.as_dict() == reference[1]
 
 
+@pytest.mark.slow
 def test_torchair_shapes_at_vllm_ascends_layout_compile_nothing_after_warm_up(trained_dir, prompts, reference):
     """torchair's shape policy (rehearsed: one graph per bucket, each held to its first shapes) at vllm-ascend's
     block 128 with the nope/rope pair: warm-up makes every key the run replays, at the run's shapes; the reference

@@ -33,11 +33,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tools", ["ascend_spec_tools", "ascend_spec_tools.*", "tools.*", "examples.*"]),
 ]
 
-#: upward edges allowed for now, each with why. TEMPORARY: compat/harness.py is test support that still lives in
-#: compat/ (it moves out with the rewrite of compat/, issue #66); it drives the graph-fault injection of the tools.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("ascend_spec.compat.harness", "ascend_spec_tools.fault_injection"): "harness moves out of compat/ (#66)",
-}
+#: upward edges allowed for now, each with why: none.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 #: cycles allowed for now, as the sets of modules forming them. TEMPORARY, for compat/ only while it is rewritten;
 #: empty: compat/ has none today.
 ALLOWED_CYCLES: list[frozenset[str]] = []

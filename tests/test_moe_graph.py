@@ -13,6 +13,9 @@ from ascend_spec.sampling import SamplingParams
 
 from .conftest import generate_without_recompiles
 
+#: every test here builds compiled engines or graphs (make test-fast leaves them out)
+pytestmark = pytest.mark.slow
+
 # The bundled trained model made MoE + YaRN (dense layer 0, MoE layer 1 and MoE MTP layer): drafts get accepted.
 PRESET = "bundled-moe"
 SIZES = (1, 2, 4)

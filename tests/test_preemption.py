@@ -39,6 +39,7 @@ def _run(trained_dir, prompts, k, kv_blocks, logprobs=None):
 
 # logprobs take the step-by-step path; without them a step is the fused graph over device-side state, whose
 # block table must follow the sequences' new blocks
+@pytest.mark.slow
 @pytest.mark.parametrize("logprobs", [None, 1], ids=["fused", "stepwise"])
 @pytest.mark.parametrize("k", [0, 2])
 def test_small_pool_preempts_and_keeps_greedy_tokens(trained_dir, prompts, k, logprobs):

@@ -39,6 +39,7 @@ def test_query_pads_to_the_next_width_one_key_each():
         BucketedGraph(backend, lambda x: (x,), "toy", [2], [BatchArg("x", 0, query=True)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2])
 def test_prefill_chunks_replay_padded_graphs_and_draft_as_the_reference(trained_dir, k):
     """Ragged prompt chunks of every width up to the widest: each replays the (bucket, width) graph warm-up made,

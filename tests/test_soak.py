@@ -133,6 +133,7 @@ def _check(report: SoakReport, num_steps: int) -> None:
     assert abs(report.rss[-1] - report.rss[0]) <= RSS_TOLERANCE * report.rss[0], report.rss
 
 
+@pytest.mark.slow  # 600 eager steps: minutes on a 2-core host
 def test_soak_ci(trained_dir):
     _check(soak(trained_dir, 600, backend="eager"), 600)
 

@@ -38,7 +38,7 @@ CONFIGS = [{"name": "none", "drafter": "none", "logprobs": 2, "llm": amx(32)["ll
 
 @pytest.fixture(scope="module")
 def runs(trained_dir, tmp_path_factory) -> dict[str, dict]:
-    return run_harness(CONFIGS, trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"))
+    return run_harness(CONFIGS, trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"), processes=2)
 
 
 @pytest.mark.parametrize("block_size, k", CASES)

@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from ascend_spec.compat.harness import PROMPTS
+from ascend_spec_tools.vllm_harness import PROMPTS
 
 from .conftest import TIE_BY_DTYPE, run_harness
 from .test_vllm_moe import GRAPH, assert_same_or_tie, ok

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec.compat.harness import run_dp
+from ascend_spec_tools.vllm_harness import run_dp
 
 from .conftest import SPEC_COUNTERS
 

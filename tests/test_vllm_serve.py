@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server with our drafter, under concurrent streaming load, aborts and bad requests.
 
 Two real servers (``python -m vllm.entrypoints.openai.api_server``, 127.0.0.1 only) start side by side on the
-trained 2-layer fixture (``tiny-dsv3-2l-mtp``) with the same engine settings (``compat.harness.ENGINE``): one
+trained 2-layer fixture (``tiny-dsv3-2l-mtp``) with the same engine settings (``vllm_harness.ENGINE``): one
 speculates with our drafter (``--additional-config '{"ascend_spec": {"enabled": true}}'``), one does not. The
 ``openai`` client drives waves of concurrent greedy streams at the speculative one, closing about a quarter of them
 mid-stream (vLLM aborts a request whose client went away), with bad requests in between. Every completed stream must
@@ -39,15 +39,15 @@ START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 RSS_TOLERANCE = 0.05
 MAX_NUM_SEQS = PER_WAVE
-# the harness's prompts (compat.harness.PROMPTS) and two more: one wave of PER_WAVE distinct requests
+# the harness's prompts (ascend_spec_tools.vllm_harness.PROMPTS) and two more: one wave of PER_WAVE distinct requests
 EXTRA_PROMPTS = ["def merge_sort(items):\n    if len(items) <= 1:\n        return items\n",
                  "class Node:\n    def __init__(self, value):\n"]
 MAX_TOKENS = [24, 40, 32, 48, 28, 36, 44, 30]
 
 
 def _engine_flags() -> list[str]:
-    """``compat.harness.ENGINE`` (the engine settings every vLLM test shares) as server flags."""
-    from ascend_spec.compat.harness import ENGINE
+    """``ascend_spec_tools.vllm_harness.ENGINE`` (the engine settings every vLLM test shares) as server flags."""
+    from ascend_spec_tools.vllm_harness import ENGINE
 
     flags = []
     for key, value in ENGINE.items():
@@ -64,7 +64,7 @@ def _engine_flags() -> list[str]:
 
 
 def serve_argv(model: str, port: int, speculative: bool) -> list[str]:
-    from ascend_spec.compat.harness import ENGINE
+    from ascend_spec_tools.vllm_harness import ENGINE
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS), *_engine_flags()]
@@ -221,7 +221,7 @@ def test_serve_concurrent_streams_aborts_bad_requests(servers):
     client = openai.OpenAI(base_url=spec.base_url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     ref_client = openai.OpenAI(base_url=nospec.base_url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
                                max_retries=0)
-    from ascend_spec.compat.harness import PROMPTS
+    from ascend_spec_tools.vllm_harness import PROMPTS
 
     jobs = list(zip(PROMPTS + EXTRA_PROMPTS, MAX_TOKENS))
     assert len(jobs) == PER_WAVE

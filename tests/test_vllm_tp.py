@@ -51,7 +51,7 @@ def tp_runs(request, moe_ckpts, trained_dir, tmp_path_factory):
     env.pop("VLLM_PLUGINS", None)
     t0 = time.time()
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec.compat.harness", str(cfg), "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
                                "--checkpoint", str(ckpt)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                               timeout=1800)
     assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"

@@ -1,5 +1,5 @@
 """vLLM's V2 model runner (its default wherever Triton runs) with our drafter as its MTP speculator, in the real
-engine on this CPU: Triton's interpreter runs V2's kernels (``compat.harness.runner_env``, ``tools/triton_cpu``).
+engine on this CPU: Triton's interpreter runs V2's kernels (``vllm_harness.runner_env``, ``tools/triton_cpu``).
 
 One harness process holds every V2 engine of this module (one import of vLLM). Greedy tokens: ours == vLLM's V2
 ``MTPSpeculator`` == no speculation at K = 1, 2, 3; the same counters (acceptance at least 0.95x vLLM's); tensor
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ascend_spec.compat.harness import CHECKPOINT, PROMPTS
+from ascend_spec_tools.vllm_harness import CHECKPOINT, PROMPTS
 
 from .conftest import SPEC_COUNTERS, assert_moe_counters_close, run_harness
 
@@ -62,7 +62,7 @@ def v2_runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
     tmp = tmp_path_factory.mktemp("vllm_v2")
     runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")), CHECKPOINT,
-                       tmp, runner="v2", timeout=2400)
+                       tmp, runner="v2", timeout=2400, processes=2)
     runs["stats_dir"] = tmp / "tp2_stats"
     print(f"\n{len(runs)} vLLM V2 engine runs in {time.time() - t0:.0f} s")
     return runs

@@ -8,13 +8,13 @@
     python tools/bench_vllm.py --dp 2 --sync --rounds 3                 # data parallel 2, unequal loads
     python tools/bench_vllm.py --runner v2 --sync                       # vLLM's V2 model runner (its MTPSpeculator)
 
-Both engines get the same settings (``ascend_spec.compat.harness.ENGINE``), checkpoint, prompts and
+Both engines get the same settings (``ascend_spec_tools.vllm_harness.ENGINE``), checkpoint, prompts and
 sampling (greedy); the only difference is ``additional_config={"ascend_spec": {...}}``. Each engine
 generates ``--repeat`` times; the first call is a warm-up and the figures come from the others. "Draft
 time per step" is the wall time of the drafter's ``propose`` on steps where every request verified
 ``1 + K`` tokens (the steady state; prefill steps excluded), timed inside the engine by the adapter for
 both drafters. Runs are interleaved (vllm, ours, vllm, ours, ...) over ``--rounds`` engine pairs.
-Async scheduling on CPU is enabled the test-only way described in ``compat/harness.py``.
+Async scheduling on CPU is enabled the test-only way described in ``ascend_spec_tools/vllm_harness.py``.
 
 ``--startup``: time from ``LLM(...)`` to ready instead, each engine in a process of its own: cold (empty vLLM,
 inductor and ascend-spec caches) then ``--warm-starts`` warm (the same caches again), ``--rounds`` times; prints
@@ -29,12 +29,12 @@ warm-up included) and live-tensor memory is reported at TP=1 only (``measure_mem
 of every tensor in the engine process, vLLM's drafter vs ours).
 
 ``--runner v1|v2``: vLLM's model runner for both engines (default: vLLM's choice, V1 on this CPU). V2 runs here with
-Triton's interpreter executing vLLM's V2 kernels (``compat.harness.runner_env``): vLLM's own speculator pays for
+Triton's interpreter executing vLLM's V2 kernels (``vllm_harness.runner_env``): vLLM's own speculator pays for
 that interpreter in its draft time (its input preparation is Triton kernels), ours does not, so on CPU the ratio
 says what each drafter costs here, not what it costs where Triton compiles.
 
 ``--dp 2``: data parallel 2 as vLLM runs it offline (one process per rank, one core each,
-``compat.harness.run_dp``), rank 0 given three quarters of the prompts and rank 1 the rest, so that rank 1 idles
+``vllm_harness.run_dp``), rank 0 given three quarters of the prompts and rank 1 the rest, so that rank 1 idles
 in lockstep dummy steps while rank 0 decodes. Per rank: tokens/s (median of the generate calls after the first)
 and the drafter's mean ``propose`` time per call (every call, warm-up generate included, from its stats file).
 """
@@ -47,7 +47,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ascend_spec.compat.harness import PROMPTS as HARNESS_PROMPTS  # pure Python: no vLLM import here
+from ascend_spec_tools.vllm_harness import PROMPTS as HARNESS_PROMPTS  # pure Python: no vLLM import here
 
 PROMPTS = HARNESS_PROMPTS + [
     "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(description=__doc__)\n",
@@ -106,7 +106,7 @@ def append_row(path: Path, args: argparse.Namespace, agg: dict, same_tokens: boo
 _START_ONE = """
 import json, sys, time
 t0 = time.perf_counter()
-from ascend_spec.compat.harness import run_one
+from ascend_spec_tools.vllm_harness import run_one
 r = run_one(json.loads(sys.argv[1]), sys.argv[2])
 print("STARTUP " + json.dumps({"startup_seconds": r.get("startup_seconds"), "error": r.get("error"),
                                "first_generate_seconds": (r.get("gen_seconds") or [None])[0],
@@ -148,7 +148,7 @@ def startup(configs: dict[str, dict], checkpoint: str, rounds: int, warm_starts:
 
 def data_parallel(configs: list[dict], checkpoint: str, args: argparse.Namespace) -> int:
     """``--dp``: each config as one data-parallel run; per rank, ours vs vLLM's drafter (medians over rounds)."""
-    from ascend_spec.compat.harness import run_dp
+    from ascend_spec_tools.vllm_harness import run_dp
 
     n = len(configs[0]["prompts"])
     busy = max(1, (3 * n) // 4)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runner", choices=["v1", "v2"], default=None, help="vLLM's model runner (default: vLLM's)")
     args = ap.parse_args(argv)
     if args.runner:
-        from ascend_spec.compat.harness import runner_env
+        from ascend_spec_tools.vllm_harness import runner_env
 
         env = runner_env(args.runner)
         if any(os.environ.get(k) != v for k, v in env.items()):  # Triton and vLLM read these at import
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.tp == 2:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    from ascend_spec.compat.harness import BUNDLED_CHECKPOINT, CHECKPOINT, ENGINE, run_all
+    from ascend_spec_tools.vllm_harness import BUNDLED_CHECKPOINT, CHECKPOINT, ENGINE, run_all
 
     checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
     if args.checkpoint in ("bundled-moe", "bundled-moe-w8a8"):

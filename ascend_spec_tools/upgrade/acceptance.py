@@ -6,7 +6,7 @@
 
 ``record`` runs, for K = 1, 2, 3, vLLM's own ``deepseek_mtp`` drafter and ours on the bundled checkpoint
 (greedy, fixed prompts, async scheduling as vLLM chooses it for MTP; engine settings of
-``ascend_spec.compat.harness``) and writes each run's per-position accepted counts from vLLM's spec-decode
+``ascend_spec_tools.vllm_harness``) and writes each run's per-position accepted counts from vLLM's spec-decode
 metrics to :data:`GOLDEN`, keyed to the checkpoint (sha256 of its config and weights). ``check`` repeats the
 runs on the installed vLLM and fails (exit 1) when, at any position, a drafter's acceptance rate (accepted /
 drafts) falls more than :data:`TOLERANCE` below the golden one, or ours differs from vLLM's by more than
@@ -50,7 +50,7 @@ def checkpoint_digest(model_dir: Path = Path(BUNDLED_MODEL_DIR)) -> str:
 
 
 def run_configs(ks: tuple[int, ...], prompts: list[str], max_tokens: int, inject_bug: str | None = None) -> list[dict]:
-    """One harness run per (drafter, K); ``inject_bug`` (test use) breaks ours (see ``compat.harness``)."""
+    """One harness run per (drafter, K); ``inject_bug`` (test use) breaks ours (see ``vllm_harness``)."""
     configs = []
     for k in ks:
         for drafter in DRAFTERS:
@@ -79,7 +79,7 @@ def rates(c: dict) -> list[float]:
 
 
 def run_engines(ks: tuple[int, ...], prompts: list[str], max_tokens: int, inject_bug: str | None = None) -> dict:
-    from ascend_spec.compat.harness import run_all  # imports vLLM when the runs start
+    from ascend_spec_tools.vllm_harness import run_all  # imports vLLM when the runs start
 
     results = run_all(run_configs(ks, prompts, max_tokens, inject_bug))
     return {r["name"]: counts(r) for r in results}
@@ -142,7 +142,7 @@ def installed_vllm() -> str:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from ascend_spec.compat.harness import PROMPTS
+    from ascend_spec_tools.vllm_harness import PROMPTS
 
     runs = run_engines(KS, PROMPTS, MAX_TOKENS)
     golden = {"recorded_with": {"vllm": installed_vllm()},
@@ -188,7 +188,7 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     """vLLM's own MTP drafter on the bundled checkpoint, nothing of ours in the engine (VLLM_PLUGINS="")."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from ascend_spec.compat.harness import PROMPTS, run_one
+    from ascend_spec_tools.vllm_harness import PROMPTS, run_one
 
     r = run_one({"name": "vllm_alone", "drafter": "vllm", "k": 1, "prompts": PROMPTS[:2], "max_tokens": 8})
     out = {"error": r["error"]} if "error" in r else {"tokens": r["tokens"]}
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.choices["check"]
     check.add_argument("--k", default=None, help="comma list of K to check (default: all recorded)")
     check.add_argument("--inject-bug", default=None, choices=["next_token_at_optimistic_length"],
-                       help="test use: break our drafter to see the gate fail (see compat/harness.py)")
+                       help="test use: break our drafter to see the gate fail (see ascend_spec_tools/vllm_harness.py)")
     return p
 
 

@@ -1,6 +1,6 @@
 """Run vLLM engine configurations in one process and report token ids, counters and timings as JSON.
 
-    python -m ascend_spec.compat.harness CONFIGS.json --out RESULTS.json
+    python -m ascend_spec_tools.vllm_harness CONFIGS.json --out RESULTS.json
 
 ``CONFIGS.json`` is a list of runs; each builds one offline ``LLM`` on the same checkpoint with the same
 engine settings (:data:`ENGINE`), generates greedily and is torn down before the next. Keys of a run:
@@ -142,7 +142,7 @@ def _install_force_async() -> None:
 
 def _break_api(spec: str):
     """Delete ``EagleProposer.<method>`` from the class in its MRO that defines it; returns an undo."""
-    from .shims import eagle_proposer_class
+    from ascend_spec.compat.shims import eagle_proposer_class
 
     cls_name, _, attr = spec.partition(".")
     assert cls_name == "EagleProposer", spec
@@ -160,8 +160,8 @@ def _unreach(runner: str):
     never draft with vLLM's drafter in our name."""
     import vllm.v1.worker.gpu_model_runner as gmr
 
-    from . import plugin, runner_reach
-    from .shims_v2 import V2_RUNNER_MODULE, V2_SEAM
+    from ascend_spec.compat import plugin, runner_reach
+    from ascend_spec.compat.shims_v2 import V2_RUNNER_MODULE, V2_SEAM
 
     if runner == "v1":
         build, current = plugin.build_adapter_class, gmr.EagleProposer
@@ -201,8 +201,8 @@ def _inject_bug(name: str):
 
     import torch
 
-    from . import drafter as drafter_mod
-    from .shims import host_seq_lens_upper_bound
+    from ascend_spec.compat import drafter as drafter_mod
+    from ascend_spec.compat.shims import host_seq_lens_upper_bound
 
     if name not in INJECTABLE_BUGS:
         raise ValueError(f"inject_bug: {name!r} is not one of {INJECTABLE_BUGS}")
@@ -302,7 +302,7 @@ def _engine_runner(llm: Any) -> str:
 def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: Any = None) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    from . import drafter as drafter_mod
+    from ascend_spec.compat import drafter as drafter_mod
 
     name = cfg.get("name", "run")
     kind = cfg.get("drafter", "none")
@@ -444,7 +444,7 @@ def run_dp(cfg: dict[str, Any], checkpoint: str, out_dir: Path, size: int = 2, t
     for rank in range(size):
         logs.append(open(out_dir / f"rank{rank}.log", "w"))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "ascend_spec.compat.harness", str(out_dir / "configs.json"), "--out",
+            [sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(out_dir / "configs.json"), "--out",
              str(out_dir / f"rank{rank}.json"), "--checkpoint", str(checkpoint), "--dp-size", str(size),
              "--dp-rank", str(rank), "--dp-port", str(port), "--dp-barrier", str(out_dir / "barrier")],
             env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runner:
         env = runner_env(args.runner)
         if any(os.environ.get(k) != v for k, v in env.items()):  # Triton and vLLM read these at import
-            os.execve(sys.executable, [sys.executable, "-m", "ascend_spec.compat.harness",
+            os.execve(sys.executable, [sys.executable, "-m", "ascend_spec_tools.vllm_harness",
                                        *(sys.argv[1:] if argv is None else argv)], env)
     text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
     if args.dp_size:
