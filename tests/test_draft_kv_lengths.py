@@ -27,6 +27,8 @@ from . import npu_standin
 from .test_ge_op_audit import wheel_sources  # noqa: F401  (the fixture)
 from .test_mla_kernels import _batch
 
+pytestmark = pytest.mark.slow
+
 AIR_OP = "air.npu_fused_infer_attention_score.default"
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self",
          "for i in range(10):\n", "    return"]

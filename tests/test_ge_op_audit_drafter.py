@@ -29,6 +29,7 @@ from . import vllm_mtp_standin
 from .test_ge_op_audit import MOE_PRESET, TABLE, _Recorder, _summary, _table, moe_dir, wheel_sources  # noqa: F401
 
 pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 K = 2
 BLOCK = 128
@@ -76,7 +77,7 @@ def _build_drafter(model_dir: Path, tp: int, group) -> None:
 
 @pytest.fixture(scope="module")
 def drafter_audited(wheel_sources, trained_dir, moe_dir, tmp_path_factory):  # noqa: F811
-    index, schemas = wheel_sources
+    index, schemas, air = wheel_sources
     rec = _Recorder()
     mp = pytest.MonkeyPatch()
     from ascend_spec.compat import ascend, ascend_hook
@@ -87,7 +88,7 @@ def drafter_audited(wheel_sources, trained_dir, moe_dir, tmp_path_factory):  # n
     ascend.install()
     import vllm_ascend.spec_decode  # noqa: F401  (imports vLLM and transformers, which probe for torch_npu)
 
-    mp.setitem(sys.modules, "torch_npu", npu_standin.register(schemas))
+    mp.setitem(sys.modules, "torch_npu", npu_standin.register(schemas, air))
     mp.setattr(torchair_backend, "_import_torchair", rec.torchair)
     prefix = [""]
     check = GraphLint.check
