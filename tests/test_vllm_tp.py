@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import assert_moe_counters_close
+from .conftest import assert_moe_counters_close, run_harness
 
 pytestmark = [
     pytest.mark.vllm,
@@ -25,10 +23,10 @@ pytestmark = [
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores"),
 ]
 
-REPO = Path(__file__).resolve().parent.parent
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "spec_decode_num_accepted_tokens_per_pos")
-RUN = {"max_tokens": [24, 40, 32, 16, 28, 20], "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2}}
+RUN = {"max_tokens": [24, 40, 32, 16, 28, 20], "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2},
+       "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
 
 
 def _configs(stats_dir: Path) -> list[dict]:
@@ -44,22 +42,12 @@ def _configs(stats_dir: Path) -> list[dict]:
 def tp_runs(request, moe_ckpts, trained_dir, tmp_path_factory):
     ckpt = trained_dir if request.param == "bundled" else moe_ckpts["bundled-moe"]
     tmp = tmp_path_factory.mktemp(f"tp2_{request.param}")
-    cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
-    cfg.write_text(json.dumps(_configs(tmp / "stats")))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    env.pop("VLLM_PLUGINS", None)
     t0 = time.time()
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
-                               "--checkpoint", str(ckpt)], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                              timeout=1800)
-    assert proc.returncode == 0 and out.is_file(), f"harness failed (rc {proc.returncode}):\n{log.read_text()[-4000:]}"
-    results = {r["name"]: r for r in json.loads(out.read_text())}
+    results = run_harness(_configs(tmp / "stats"), ckpt, tmp, timeout=1800)
     for r in results.values():
         assert "error" not in r, f"{request.param} {r['name']}: {r['error']}"
     print(f"\nTP=2 on {request.param}: {len(results)} engines in {time.time() - t0:.0f} s")
-    return request.param, results, tmp / "stats", log.read_text()
+    return request.param, results, tmp / "stats", (tmp / "engine.log").read_text()
 
 
 @pytest.mark.parametrize("k", [1, 2])
