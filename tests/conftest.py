@@ -27,7 +27,22 @@ def pytest_addoption(parser) -> None:
                      help="plant one defect (tests/planted_defects.py) to see the test guarding it fail")
 
 
+# Under pytest-xdist (make test), modules are dealt whole to the workers in collection order: the longest first,
+# so that no long module starts last and leaves one core idle (seconds per module: docs/test-suite.md).
+LONGEST_FIRST = ("test_fused_step", "test_moe_graph", "test_vllm_tp", "test_graph_mode", "test_vllm_dp",
+                 "test_vllm_v2", "test_vllm_amx_mla", "test_aot_graphs", "test_kv_layouts", "test_vllm_plugin",
+                 "test_vllm_moe", "test_vllm_bf16_cpu_mla")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_configure(config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # each worker its share of the cores: torch's threads would otherwise outnumber them
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
     name = config.getoption("--plant-defect")
     if name:
         import tempfile
