@@ -28,10 +28,11 @@ def pytest_addoption(parser) -> None:
 
 
 # Under pytest-xdist (make test), modules are dealt whole to the workers in collection order: the longest first,
-# so that no long module starts last and leaves one core idle (seconds per module: docs/test-suite.md).
-LONGEST_FIRST = ("test_fused_step", "test_moe_graph", "test_vllm_tp", "test_graph_mode", "test_vllm_dp",
-                 "test_vllm_v2", "test_vllm_amx_mla", "test_aot_graphs", "test_kv_layouts", "test_vllm_plugin",
-                 "test_vllm_moe", "test_vllm_bf16_cpu_mla")
+# so that no long module starts last and leaves a worker idle (seconds per module: docs/test-suite.md).
+LONGEST_FIRST = ("test_fused_step", "test_vllm_dp", "test_vllm_tp", "test_vllm_v2", "test_vllm_amx_mla",
+                 "test_vllm_plugin", "test_moe_graph", "test_graph_mode", "test_vllm_moe", "test_vllm_bf16_cpu_mla",
+                 "test_aot_graphs", "test_kv_layouts", "test_vllm_serve", "test_bundled_model", "test_upgrade_check",
+                 "test_vllm_memory", "test_vllm_quant", "test_ge_op_audit", "test_guards", "test_deferred_graphs")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -40,9 +41,6 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:  # each worker its share of the cores: torch's threads would otherwise outnumber them
-        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
     name = config.getoption("--plant-defect")
     if name:
         import tempfile

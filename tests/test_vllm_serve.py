@@ -35,8 +35,8 @@ WAVES = 5
 PER_WAVE = 8
 ABORT_EVERY = 4  # request i of a wave is closed mid-stream when i % ABORT_EVERY == ABORT_EVERY - 1
 ABORT_AFTER_CHUNKS = 2
-START_TIMEOUT_S = 300
-REQUEST_TIMEOUT_S = 120
+START_TIMEOUT_S = 900
+REQUEST_TIMEOUT_S = 300
 RSS_TOLERANCE = 0.05
 MAX_NUM_SEQS = PER_WAVE
 # the harness's prompts (ascend_spec_tools.vllm_harness.PROMPTS) and two more: one wave of PER_WAVE distinct requests
