@@ -1,9 +1,5 @@
 """Adaptive K: per batch bucket, the number of drafts K in 0..K_max with the most expected tokens per second.
 Step costs come from warm-up and the run's own steps; acceptance from the K policy's running window.
-
-Invariants: steady steps scale every K's figure (shared drift), and only explorations, trials and a takeover's
-first steps move one K's own; the step after a change of K moves none; a running K gives way only to one ahead
-by a margin. Terms: docs/design.md, "Glossary"; rules and constants: docs/performance.md, "Tuned constants".
 """
 from __future__ import annotations
 

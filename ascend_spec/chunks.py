@@ -1,9 +1,5 @@
 """Chunks: runs of consecutive positions per request, right-padded into ``[B, n]`` (:func:`.inputs.pack_chunks`).
-
-Two things run chunks: prompts (a prefill: the target over the prompt, its first token sampled, the draft chain
-over the prompt for the first step's drafts) and the MTP catch-up of a request back from K = 0 steps (the draft
-chain over the positions those steps verified without it, from the hidden states they kept). Both write the MTP
-cache entries of their positions, so the drafts after them attend to a whole context.
+What runs them: a prompt's prefill and the MTP catch-up of a request back from K = 0 steps.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """User-facing configuration: vLLM's ``speculative_config``, graph-mode settings (vllm-ascend's
 ``torchair_graph_config`` keys) and the engine's limits, as validated dataclasses.
-
-Unknown keys and out-of-range values raise ``ConfigError`` naming the key and what is allowed.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Standalone harness: continuous batching over a paged cache, with or without MTP speculation.
-
-Three rooms, as nano-vllm's, and a turn of the engine's loop (this module) is three calls: the scheduler
-(:mod:`.scheduler`: requests, blocks, preemption, appending tokens) plans whom to run (``schedule``), the runner
-(:mod:`.runner`: device batches, graphs, prefill and one decode step; warm-up in :mod:`.warmup`, inputs from
-:mod:`.inputs`) runs the plan, and the scheduler takes the tokens back (``postprocess``). A step's K comes from
-one object, :class:`.k_policy.KPolicy`: the scheduler asks it, the fused step and the postprocess feed it.
+A turn of its loop: the scheduler plans (``schedule``), the runner runs the plan, the scheduler takes the tokens back.
 """
 from __future__ import annotations
 

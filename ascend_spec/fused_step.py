@@ -1,12 +1,5 @@
 """One compiled graph per step: target verify + rejection sampling + next-token preparation + the K-step draft chain.
-
-A decode step is a single replay on every backend. The graph also advances the batch's device-side state
-(the next step's input tokens and start positions) from its own outputs, so the host only reads the step's
-tokens back for bookkeeping and builds nothing per step while the batch composition stays the same.
-
-Graphs are keyed by the step key (K, sampling mode, logprobs), and by the batch bucket only on backends that
-compile per shape (torchair). ``K = 0`` is plain decoding, so speculation can be switched off per bucket. The
-context is data: the block table is an input (on CPU trimmed to the live blocks), never a graph key.
+A decode step is a single replay on every backend; graphs are keyed by the step key (K, sampling mode, logprobs).
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """The compiled graphs of one runner, in one registry: each by name, the one warm-up that compiles a plan of them,
 one count of their failures, and the one key scheme their compiled artifacts are kept under on disk.
-
-Names: ``fused`` (:class:`.fused_step.SpecStepGraphs`, one graph per step key), ``target`` (the step-by-step
-verify), ``prefill`` (prompts) and ``draft`` (the proposer's draft chain) — :class:`.graph.buckets.BucketedGraph`
-each. Every graph rides its backend's ``graph_failure`` policy through ``graph.buckets.note_graph_failure`` and
-counts what failed in its ``failures``; every warm-up is a list of :class:`~.graph.buckets.WarmStep` run here.
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Requests → a step's inputs: the block table's width and rows, cache slots, ragged chunks right-padded into
 ``[B, n]``, the step-by-step path's verify, and the fused path's device-side batch (:class:`DeviceBatch`).
-
-The scheduler sizes a request's blocks with :func:`.requests.step_tokens`, the runner builds its tensors here; the
-graphs compute the same on device (``graph.latent_cache.slots_for``, the fused step's verify in
-:mod:`.fused_step`). The block size is always an argument (the caches': 16 on vLLM's CPU_MLA, 64 on FlashMLA, 128
-on vllm-ascend); a request's blocks are a list of block ids whatever the cache layout.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Paged latent KV caches (target layers + the draft layer), their block allocator, and blocks on demand.
-
-Blocks are handed out as sequences grow (:meth:`BlockManager.ensure_capacity`), not reserved for a request's
-whole ``max_tokens`` at admission: a large ``max_tokens`` no longer crowds out other requests. When the pool runs
-dry the engine preempts its newest request (:meth:`BlockManager.free`: all its blocks go back) and recomputes
-it later, as vLLM does.
+Blocks are handed out as sequences grow; when the pool runs dry the engine preempts its newest request.
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """``ascend-spec inspect``: size a DeepSeek-V3 deployment from ``config.json`` alone (no weights read).
-
-The model is built on the meta device, so counting DeepSeek-V3's 671B parameters costs no memory and reads
-nothing but ``config.json``; the counts are the same modules :func:`~ascend_spec.graph.weights.load_model` fills.
+It counts the parameters of a model built on the meta device, the modules ``load_model`` fills.
 """
 from __future__ import annotations
 

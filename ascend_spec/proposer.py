@@ -1,8 +1,5 @@
 """``MtpProposer``: drafts K tokens per request with the checkpoint's MTP layer(s).
-
-A thin class over small functions: ``spec_decode`` holds the padded bookkeeping math, ``graph.steps``
-the K-step draft chain. The method names follow vLLM's drafter interface so the vLLM adapter in
-``compat/`` stays a translation layer.
+A thin class over small functions: ``spec_decode``'s padded bookkeeping and ``graph.steps``' K-step draft chain.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """The engine's lowest layer of request types: a request (:class:`Sequence`), a turn's plan and output, and how
 far a step reaches into a request's cache and how many drafts fit below ``max_model_len``.
-
-The scheduler, the runner and its parts (prefill, step by step, warm-up, the K policy) all speak these types, so
-every one of them imports this module and this module imports none of them.
 """
 from __future__ import annotations
 

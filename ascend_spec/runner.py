@@ -1,10 +1,5 @@
 """The model runner: runs the scheduler's plan (:meth:`ModelRunner.run`) on its compiled graphs — a prefill
 (:mod:`.chunks`), or one decode step, fused here or step by step (:mod:`.step_by_step`).
-
-Invariants (docs/design.md, "Data flow of one decode step"): a decode step runs without host syncs and ends in
-one device → host transfer; the device batch is rebuilt only when rows, K, sampling mode or logprobs change, and a
-grown block table is replaced, never written in place; the runner returns tokens and never touches a request's
-lifecycle (the scheduler's).
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """What a runner's rooms share: its compiled graphs, caches, backend and config, as one :class:`RunnerParts`, and
 the shape and argument helpers every room computes the same way (table width, host lengths, fused replay args).
-
-The runner (:mod:`.runner`) builds the parts; prefill (:mod:`.chunks`), the step-by-step path
-(:mod:`.step_by_step`) and warm-up (:mod:`.warmup`) take them instead of the runner, so none of them imports it.
 """
 from __future__ import annotations
 

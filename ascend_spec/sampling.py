@@ -1,9 +1,5 @@
 """Per-request sampling parameters, sync-free batched sampling, the sampling modes graphs are keyed by, and the
 top logprobs a step reports (on device, then per row on the host).
-
-``SamplingParams`` is the user-facing, validated host object. ``SamplingTensors`` is its batched device form, built once
-per batch (that may touch the host); everything that consumes it runs without host syncs, so it can sit inside a
-captured graph: no ``.item()``, no boolean-mask indexing, no data-dependent shapes.
 """
 from __future__ import annotations
 

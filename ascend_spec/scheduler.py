@@ -1,10 +1,5 @@
 """Requests and their lifecycle: admission, KV blocks on demand, preemption, appending tokens, finishing.
-
-The scheduler never touches a tensor; the runner (:mod:`.runner`) never touches a request's lifecycle
-(nano-vllm's split). A turn of the engine's loop is three calls: :meth:`Scheduler.schedule` (a plan: prompts to
-prefill, or a decode step of the running batch at the K the K policy gives, with cache room made for it) →
-``runner.run(plan)`` (its tokens) → :meth:`Scheduler.postprocess` (tokens appended, acceptance recorded, requests
-finished); nothing calls back between them.
+The scheduler never touches a tensor; the runner (:mod:`.runner`) never touches a request's lifecycle.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Speculative-decoding math on plain tensors: rejection sampling and the draft-input bookkeeping.
 Semantics follow vLLM's ``RejectionSampler`` and ``prepare_*`` helpers, as pure functions.
-
-Invariants: every function returns new tensors and never writes into its inputs (metadata mutated in place
-collapsed vLLM's acceptance under async scheduling); all but ``prepare_inputs`` do no host syncs, so they run
-inside a captured graph. Shapes: ``B`` requests, ``K`` drafts at most, ``V`` vocabulary; ``-1`` is "no token".
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """The step-by-step decode path (``fused_step=False``, and batches the fused graph does not serve): the target graph,
 sampling and the draft graph as separate calls, each step's inputs built on the host and its drafts read back.
-
-It drafts K_max every step (adaptive K needs the fused path: ``EngineConfig`` refuses the pair), and it is where a
-batch goes that outgrows the largest bucket or asks for more logprobs than a fused graph returns; the drafts a
-fused batch left on device come to the host once as it leaves (:meth:`StepByStep.take_drafts`).
 """
 from __future__ import annotations
 

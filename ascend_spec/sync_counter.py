@@ -1,19 +1,5 @@
 """Count host syncs (device -> host reads and data-dependent shapes) in a block of code.
-
-Two layers, because neither sees everything:
-- a ``TorchFunctionMode`` sees the Python-level reads: ``Tensor.item/tolist/numpy/cpu`` and the implicit
-  conversions ``__bool__``/``__int__``/``__float__``/``__index__`` (``if t:``, ``range(t)``, ...). ``.cpu()`` counts
-  even on a CPU tensor: on this CPU-only machine it is the only trace of what would be a device -> host copy.
-- a ``TorchDispatchMode`` sees aten ops whose output shape depends on data (``nonzero``, ``masked_select``,
-  bool-mask ``index.Tensor``, ``unique``, ``repeat_interleave`` without ``output_size``), bare
-  ``_local_scalar_dense`` and copies from a non-CPU device to the CPU.
-
-Each event is counted once: while a function-level sync runs, the aten ops it dispatches to (``.item()`` ->
-``_local_scalar_dense``) are not counted again.
-
-    with HostSyncCounter() as sc:
-        step()
-    assert sc.count == 0, sc.events
+:class:`HostSyncCounter`: a ``TorchFunctionMode`` for Python-level reads, a ``TorchDispatchMode`` for aten ops.
 """
 from __future__ import annotations
 

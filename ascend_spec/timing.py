@@ -1,5 +1,4 @@
 """Timing device work: wait until a device has run what was queued on it, and the median seconds of a call.
-
 Warm-up's step costs for adaptive K and the benchmarks time through here; nothing here knows a model or a graph.
 """
 from __future__ import annotations

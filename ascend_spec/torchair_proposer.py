@@ -1,8 +1,5 @@
 """``MtpTorchairProposer``: the graph-mode MTP drafter on every backend (the name is the product's public one).
 It replays the draft chain on fixed-shape padded graphs, one per batch bucket, and drafts prompt chunks too.
-
-Pad rows are inert and their outputs dropped; prompt chunks wider than the widest query width run the eager
-reference. Every public method of ``MtpProposer`` keeps its signature here (a test checks ``inspect.signature``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Warm-up: which compiled graphs a run needs before its first step, which it defers, and their step costs.
 It plans :class:`~.graph.buckets.WarmStep` lists for the registry and compiles a deferred K when first picked.
-
-Step costs are measured here on inert batches: shapes, not data, set a step's cost.
 """
 from __future__ import annotations
 

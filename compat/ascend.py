@@ -1,16 +1,5 @@
 """The vllm-ascend route: our drafter as the MTP drafter of vllm-ascend's NPU model runner.
-
-vllm-ascend's ``NPUModelRunner`` drops the drafter vLLM's runner built and takes its own from
-``vllm_ascend.spec_decode.get_spec_decode_method(method, vllm_config, device, runner)`` (``AscendEagleProposer`` for
-``mtp``), so swapping vLLM's ``EagleProposer`` global reaches no vllm-ascend user. On the Ascend platform
-:func:`install` instead wraps that factory (lazily: vllm-ascend's modules import after the general plugins run) so
-that, with ``additional_config.ascend_spec.enabled`` and method ``mtp``, it returns :func:`ascend_adapter_class`:
-an ``AscendEagleProposer`` subclass that drafts with ``MtpTorchairProposer`` on the weights vllm-ascend loaded,
-inside ``set_ascend_forward_context``, and hands everything else to vllm-ascend's own ``_propose``. Without the
-switch the factory returns vllm-ascend's own drafter, untouched. vLLM's global is left alone on Ascend.
-
-The V2 model runner (``use_v2_model_runner``) builds its speculator with ``init_speculator``; :func:`install`
-wraps that too, and an enabled MTP engine gets :mod:`ascend_v2`'s adapter over the class it picked.
+:func:`install` wraps vllm-ascend's drafter factory and its V2 runner's ``init_speculator`` to build ours when enabled.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Patch a module right after it is imported (or now, if it already is).
-
-vLLM loads general plugins before vllm-ascend imports its spec-decode and model-runner modules, so the Ascend
-route cannot patch them from ``register()`` directly. A finder at the head of ``sys.meta_path`` wraps the loader
-of the watched modules and runs the patch when the module body has executed, before the importer sees the module:
-a later ``from vllm_ascend.spec_decode import get_spec_decode_method`` binds the patched function.
-
-Pure Python; imports nothing from vLLM or vllm-ascend.
+A finder at the head of ``sys.meta_path`` runs the patch once the watched module's body has executed.
 """
 from __future__ import annotations
 

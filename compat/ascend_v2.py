@@ -1,11 +1,5 @@
 """Our drafter as the MTP speculator of vllm-ascend's V2 model runner (``vllm_ascend/worker/v2``).
-
-vllm-ascend's ``init_speculator`` builds ``AscendMTPSpeculator`` for DeepSeek's MTP (from v0.25.1rc1; earlier
-releases build ``AscendEagleSpeculator`` for it), both subclasses of vLLM's V2 speculators that its runner drives as
-vLLM's does. :func:`adapter_for` puts :class:`AscendSpecNpuV2Mixin` in front of that class: vLLM's V2 adapter
-(:mod:`speculator_v2`, its batch translation) with the NPU specifics of the V1 route (the nope/rope cache pair,
-vllm-ascend's forward context) and vllm-ascend's ``propose`` signature, which takes ``num_tokens_across_dp``
-(the runner's data-parallel counts for the step) and no ``num_speculative_tokens``.
+:func:`adapter_for` puts :class:`AscendSpecNpuV2Mixin` in front of the speculator class vllm-ascend picks.
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """What our drafter does the same way under every model runner it serves: settings, stats, building our
 draft model on the weights vLLM loaded, compiling the bucket graphs, binding the draft KV cache, data parallel.
-
-The runner-specific adapters (``drafter.py`` for V1's proposer, ``speculator_v2.py`` for V2's speculator,
-``ascend.py`` for vllm-ascend's) put :class:`DraftCoreMixin` in front of the vLLM class they replace; each
-translates its runner's inputs into :class:`~ascend_spec.proposer.DraftInputs`.
 """
 from __future__ import annotations
 

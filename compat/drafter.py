@@ -1,10 +1,5 @@
 """The adapter vLLM's V1 model runner builds as its MTP drafter: a subclass of the ``EagleProposer`` it replaces.
 Enabled (``additional_config.ascend_spec``, method mtp/deepseek_mtp), it drafts with ``MtpTorchairProposer``.
-
-It translates ``propose``'s flat inputs into ``DraftInputs [B, Q]`` (a reshape when every request verifies
-``1 + K`` tokens, else a ragged-to-padded repack on device), computes the next tokens itself with the backup token
-at ``num_tokens_no_spec - 1``, and only reads vLLM's metadata and host buffers. What it cannot draft (a dynamic
-K, probabilistic draft sampling) goes to vLLM's ``propose``. Design: docs/design.md, "Both of vLLM's model runners".
 """
 from __future__ import annotations
 

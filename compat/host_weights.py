@@ -1,10 +1,5 @@
 """Our draft chain on the weights vLLM already loaded: no second copy, any tensor-parallel size, any quant method.
 :func:`mtp_model_on_vllm` builds our model on the meta device and fills its MTP path with vLLM's objects.
-
-Invariants (docs/design.md, "Drafting on the host engine's weights"): tensors that can be viewed are used in
-place; every layer that holds weights runs vLLM's own forward inside our graph (:mod:`~ascend_spec.graph.external`),
-so vLLM's quant method picks each kernel; the MoE runs inside vLLM's forward context and, under inductor, as one
-opaque op, so no compiled graph guards on the per-step context.
 """
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
 """The draft layer's KV cache that vLLM allocated, viewed in the layout our graphs read and write.
-
-vLLM registers one MLA attention layer per MTP layer (``model.layers.{N}.self_attn.attn``), sizes and
-allocates its cache with the target's layers (one KV cache group, one block table) and binds it to the
-layer as ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` (0.32; ``[num_blocks, 1, block,
-latent]`` in the runner's list). Per token: ``[:kv_lora_rank]`` the normed latent, then ``k_pe`` after
-interleaved RoPE, which is ``graph.attention``'s layout. vllm-ascend's MLA binds the two parts apart, nope
-``[num_blocks, block_size, 1, kv_lora_rank]`` and rope ``[num_blocks, block_size, 1, qk_rope_head_dim]`` (block
-size 128): our graphs take that pair as it is (``graph.latent_cache``). The views share storage: what our draft
-graph writes is what vLLM's own MTP layer would have written, at the same slots, whatever the block size.
+The views share storage: what our draft graph writes is what vLLM's own MTP layer would have written.
 """
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
 """The vLLM API manifest: every vLLM name ``compat/`` relies on, and the shims that absorb its drift.
-
-Pure Python (stdlib + PyYAML): importing this module never imports vLLM or torch, so
-``tools/upgrade_check.py`` and the tests can use it on any machine.
-
-The manifest (``api_manifest.yaml`` next to this file) has three sections:
-
-``scope``
-    Globs (relative to a wheel's root) of the vLLM source files the checker reads from each release.
-``shims``
-    One entry per shim id. ``absorbs`` says what drift it absorbs, ``detect`` how the shim tells the
-    shapes apart at run time, ``before``/``after`` the versions on each side, and ``accepts`` the
-    shapes it handles, as fingerprint patterns (see :func:`match`).
-``items``
-    One entry per vLLM name: ``id``, ``kind`` (one of :data:`KINDS`), ``locator`` (where it lives in the
-    shape compat is written against), ``expect`` (a fingerprint pattern the release must meet when no
-    shim is involved), ``shims`` (ids of the shims covering its known drift) and, per kind, ``needs``
-    (parameter / field names we pass or read) and ``positional`` (leading parameters we pass
-    positionally).
-
-Code in ``compat/`` marks each shim with :func:`covers` (``@covers("cpu_gpu_buffer")``), which points
-it at the manifest items listing that shim id.
+Pure Python (stdlib + PyYAML): it never imports vLLM or torch. Code marks each shim with :func:`covers`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """vLLM general plugin: swaps the runner's MTP drafter class for the ascend_spec adapter.
-
-Entry point ``ascend_spec_mtp = "ascend_spec.compat.plugin:register"`` in group ``vllm.general_plugins``
-(pyproject.toml). vLLM calls :func:`register` once per process (main, engine core, worker) before the
-model runner exists, and before this process can know the engine's configuration. So the patch is
-installed unconditionally and the adapter decides when the runner constructs it: with
-``additional_config={"ascend_spec": {"enabled": True}, "torchair_graph_config": {...}}`` (see
-``compat/settings.py``) and method ``mtp``/``deepseek_mtp`` it drafts with ``MtpTorchairProposer``;
-otherwise it is vLLM's ``EagleProposer`` unchanged. ``VLLM_PLUGINS`` (entry-point names) excludes it.
-
-On the Ascend platform vllm-ascend's runner builds its drafter from its own factory: :func:`register` patches
-that instead (``compat/ascend.py``) and leaves vLLM's global alone.
-
-If the seam itself is gone (no ``EagleProposer`` global in the runner's module), :func:`register` raises
-:class:`~ascend_spec.compat.shims.VllmApiMissing`; further probes run when an enabled adapter is built.
+:func:`register` (entry point ``ascend_spec_mtp``) installs the patch; the adapter decides when the runner builds it.
 """
 from __future__ import annotations
 

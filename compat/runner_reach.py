@@ -1,9 +1,5 @@
 """Our drafter into vLLM's V2 runner, and the check that every runner vLLM builds drafts with ours when asked.
-
-V2's runner builds its speculator by the module-global name ``init_speculator``; :func:`patched_init_speculator`
-returns our :mod:`speculator_v2` adapter where it would return ``MTPSpeculator``. After the worker loaded the model,
-:func:`check_reached` fails the engine start when ours is enabled and the runner's drafter is not ours (a runner we
-do not reach, or a seam that moved): vLLM's drafter never drafts in our name.
+:func:`patched_init_speculator` builds our adapter; :func:`check_reached` fails a start where ours is not reached.
 """
 from __future__ import annotations
 

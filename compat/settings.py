@@ -1,25 +1,5 @@
 """How a vLLM user turns the ascend_spec drafter on: a block in ``additional_config``.
-
-    LLM(model=...,
-        speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
-        additional_config={
-            "ascend_spec": {"enabled": True},                       # the switch (this key, this block)
-            "torchair_graph_config": {"backend": "auto",            # vllm-ascend's block, optional
-                                      "graph_batch_sizes": [1, 2, 4, 8]},
-        })
-
-``ascend_spec`` keys: ``enabled`` (default true once the block is present), ``warmup`` (compile every
-graph bucket when vLLM sets up the KV cache; default true), ``collect_stats`` (record the async
-scheduling conditions seen per step; default false, costs host reads), ``stats_dir`` (a folder: each rank
-writes ``drafter-rank{R}.json`` with its counters, refreshed while serving and at shutdown), ``graph_failure``
-(``eager``: a compiled draft graph that fails reruns that draft eagerly, counted in the stats; ``raise``: it raises,
-and graphs that need the host are refused at compile time; default ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager``).
-``torchair_graph_config`` is
-validated by :meth:`GraphModeConfig.from_dict`; ``backend: auto`` picks torchair on an NPU and
-inductor on CUDA or CPU. Without ``graph_batch_sizes`` the buckets are nano-vllm's
-``[1, 2, 4, 8, 16, ...]`` up to ``min(max_num_seqs, 16)``; bigger batches run the same draft eagerly.
-
-Pure Python: importing this module never imports vLLM.
+The ``ascend_spec`` keys and the ``torchair_graph_config`` block, validated; importing it never imports vLLM.
 """
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """Every difference between vLLM releases that the adapter meets, in one place.
-
-Each shim is a small function marked ``@covers("<shim id>")``; the id names an entry of
-``compat/api_manifest.yaml`` that records what drift it absorbs, how it is detected, and the vLLM
-versions on each side. Detection probes the live object or module (``isinstance``, ``hasattr``,
-``inspect.signature``, ``dataclasses.fields``), never only a version string.
-
-Probes that find an API missing raise :class:`VllmApiMissing`: one error naming every missing vLLM
-name and pointing at ``tools/upgrade_check.py``, instead of drafting garbage.
-
-Nothing here mutates a vLLM object: host buffers the runner still uses (e.g. the optimistic
-sequence lengths of async scheduling) are cloned before any arithmetic.
+Each shim is a small function marked ``@covers("<shim id>")``; a missing API raises :class:`VllmApiMissing`.
 """
 from __future__ import annotations
 

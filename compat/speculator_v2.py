@@ -1,16 +1,5 @@
 """The adapter vLLM's V2 model runner builds as its MTP speculator (``vllm/v1/worker/gpu/``).
-
-V2 builds its speculator with ``init_speculator(vllm_config, device, req_states)`` (``MTPSpeculator`` for
-``mtp``/``deepseek_mtp``) and drives it through ``load_model``, ``set_attn``, ``init_cudagraph_manager``, ``capture``
-and ``propose``. The adapter subclasses the class it replaces. vLLM keeps its MTP model (the draft attention layer
-it registers is sized and allocated with the target's), the scheduling, the target's sampling and verification.
-Ours keeps the composition: padded fixed-shape batches, the K-step chain, greedy sampling, through the bucket graphs.
-
-V2 keeps the drafter's batch the target's shape: each request's span holds its rejected positions too, and the
-runner hands over ``num_rejected`` and the last sampled token on device. So the draft input is the verify batch as
-it is (reshaped to ``[B, 1 + K]`` when every request verifies ``1 + K`` tokens), the sampled row is ``span - 1 -
-num_rejected``, and nothing is read back to the host. vLLM's CUDA-graph captures of its speculator are skipped:
-our graphs replace them; what it still drafts itself (dynamic K, probabilistic drafts, multimodal) runs eagerly.
+It subclasses the ``MTPSpeculator`` it replaces and drafts through our bucket graphs on V2's own batch layout.
 """
 from __future__ import annotations
 

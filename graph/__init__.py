@@ -1,5 +1,3 @@
 """Pure-torch graph definitions of the DeepSeek-V3 target model and its MTP layer.
-
-Installed as ``ascend_spec.graph``. Nothing here imports vLLM; every function takes fixed-shape
-tensors and never branches in Python on tensor values, so it compiles with ``fullgraph=True``.
+Installed as ``ascend_spec.graph``; nothing here imports vLLM, and every function compiles with ``fullgraph=True``.
 """

@@ -1,10 +1,5 @@
 """Multi-head latent attention (MLA) over a paged latent KV cache.
-
-One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]`` = 576 floats, kept fused or as a
-(nope, rope) pair of any block size (:mod:`.latent_cache`). The paged path uses the "absorbed" form: queries are
-projected into the latent space with ``W_UK`` and outputs leave it with ``W_UV``, so keys and values are
-never materialised per head. The dense path (training) materialises them; both compute the same function. The paged step's attention
-proper (latent queries against each request's cached blocks) is a seam: :mod:`.mla_kernels`.
+The paged path uses the absorbed form; its attention proper (latent queries against cached blocks): :mod:`.mla_kernels`.
 """
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """Batch buckets: padded batch sizes whose graphs are replayed every step, and the warm-up steps that replay them.
 ``BucketedGraph.rows_for`` gives the graph rows a batch runs; the nominal bucket is the K policy's.
-
-Idiom from nano-vllm: persistent max-size input buffers; a call copies the real rows into ``[:b]``,
-fills ``[b:bucket]`` with inert padding (slot -1, seq_len 0), runs the bucket's graph and slices the
-outputs back to ``b`` rows. Batches above the largest bucket run eagerly, with one warning.
-How many graphs that takes is the backend's :class:`~.backends.base.ShapePolicy`: one compile with a dynamic
-batch serving every bucket (inductor; on CPU rows are not even padded beyond ``min_batch``), or one per bucket
-(torchair's GE graphs).
-
-A graph with a query axis (tokens per request: 1 + K at decode, a prompt chunk's length at prefill) serves the
-widths up to its largest ``query_widths``. Where the axis is dynamic (``exact_batch`` backends: CPU inductor, eager)
-one compile serves every width; where a graph replays one recorded shape (per-shape compiles, CUDA graphs) the
-query pads with inert tokens (each argument's pad value) up to the next of ``query_widths``, one graph or capture
-per bucket and width. Wider queries run eagerly.
-
-A compiled graph that raises, at compile or replay, follows the backend's ``graph_failure`` policy
-(``note_graph_failure``; docs/design.md, "Graph failure policy"): rerun the step eagerly, which rewrites the same
-cache slots with the same values, or raise.
 """
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
 """DeepSeek-V3 checkpoints on disk: safetensors (single file or sharded through ``model.safetensors.index.json``),
 HF tensor names mapped onto our parameters, DeepSeek's block-fp8 weights.
-
-Reading is lazy: a tensor is read only when asked for, and a shard is opened only when one of its tensors is
-wanted (an MTP-only load of DeepSeek-V3 never opens the shards holding layers 0–60).
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
 """Model configuration read from a HF DeepSeek-V3 ``config.json``.
-
-Covers what DeepSeek-V3/R1 checkpoints use: MLA attention (optional ``q_lora_rank``), dense layers before
-``first_k_dense_replace`` and DeepSeekMoE layers from there on (the MTP layer included), plain or YaRN RoPE,
-bf16/fp16/fp32 weights or DeepSeek's fp8 block-quantised ones. Anything else is one :class:`ConfigError`
-that names the key and the allowed values.
+It covers what DeepSeek-V3/R1 checkpoints use; anything else is one :class:`ConfigError` naming the key.
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """A module slot filled from outside ``graph/``: how the graphs run on a host engine's layers.
-
-Inside vLLM the drafter runs on the weights vLLM loaded. Where a weight can be viewed (norm scales, absorbed MLA
-matrices) our modules hold the host's tensor itself; where it cannot (a CPU-prepacked GEMM, a quantised or
-tensor-parallel layer, a fused MoE whose quant method picks the kernel) the slot holds an :class:`External` that
-calls the host layer's own forward. ``graph/`` never imports the host engine: ``compat/`` builds the callables.
-
-An ``opaque`` External is one the compiler must not trace into: a host layer that reads process state at run time
-(vLLM's FusedMoE finds itself through the forward context, a global that changes every step, so a traced call
-would guard on it and recompile). It runs through one custom op, ``ascend_spec::external``, whose output has the
-input's shape and dtype; the module is looked up by index at run time.
+Where a host weight cannot be viewed, the slot holds an :class:`External` that calls the host layer's own forward.
 """
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """The paged latent KV cache as the graphs address it: its layout and block size are data, read off the tensors.
-
-One cached token is ``[c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]``. Serving engines keep it two ways:
-
-- ``single``: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor (vLLM's MLA backends);
-- ``pair``: ``(nope [num_blocks, block_size, kv_lora_rank], rope [num_blocks, block_size, qk_rope_head_dim])``,
-  contiguous each (vllm-ascend's MLA, which binds them as ``[num_blocks, block_size, 1, width]``; the binding
-  squeezes the head axis).
-
-The block size is the cache's dim 1 (16 here by default, 64 for FlashMLA, 128 for vllm-ascend's MLA): every slot
-formula takes it from the cache it addresses, never from a constant. Attention kernels receive the pair form
-(:func:`latent_parts`: views, no copy, whichever layout is stored).
+One cached token is ``[c_kv ; k_pe]``, stored ``single`` (one tensor) or as a ``pair`` (nope, rope) of any block size.
 """
 from __future__ import annotations
 

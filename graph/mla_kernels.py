@@ -1,51 +1,5 @@
 """The paged MLA attention seam: latent queries against each request's cached blocks.
-
-Absorbed MLA is multi-query attention with one latent KV head: ``q·k`` over ``[c_kv ; k_pe]`` (576 wide),
-values ``c_kv`` (512 wide). Every kernel here computes the same function of the same inputs:
-
-    o_lat [B, Q, H, C] = softmax(scale · (q_lat·c_kv + q_pe·k_pe), keys visible to each query) · c_kv
-
-over the keys of request ``b`` at positions ``p < seq_lens[b]`` and ``p <= positions[b, q]``, read through
-``block_table[b]``. The block table and ``seq_lens`` are data: no shape here depends on a request's context.
-
-- :func:`gather_mla` — the reference (eager oracle): gathers the block table's whole width. Its cost follows
-  that width, so callers that compile it with a dynamic width pass a table trimmed to the live blocks
-  (``Backend.trims_context``): on CPU inductor one graph serves every width and the step costs what the longest
-  live request reads, not ``max_model_len``.
-- :func:`flex_mla` — FlexAttention with a block-sparse mask built from the block table (each row
-  visits only its ``ceil(seq_len / block_size)`` blocks). Eager it matches the reference; no backend compiles
-  it correctly yet (docs/design.md, "Shapes"), so it is kept with its eager test for a torch release that does.
-- :func:`npu_mla` — ``torch_npu.npu_fused_infer_attention_score`` as vllm-ascend's speculative MLA decode calls
-  it (``vllm_ascend/attention/mla_v1.py`` ``_forward_decode``; ``torchair/torchair_mla.py`` up to v0.11.0):
-  contiguous latent / rope caches as ``key``/``value`` and ``key_rope`` (``[blocks, 1, block, C | R]``), query
-  rows in TND grouped per request by cumulative query lengths, output NTD (``TND_NTD``), ``sparse_mode=3``
-  (rightDownCausal, with the op's fixed 2048 × 2048 mask) so that each request's ``1 + K`` tokens read its
-  context once, causal inside the verify block; ``block_table`` once per request. The causal diagonal is
-  aligned to each request's last key, so a live row's ``Q`` positions must be its last ``Q``
-  (``seq_lens - Q .. seq_lens - 1``), as in every verify and draft forward.
-
-  KV lengths come from the host: ``PagedInputs.seq_lens_host``, ints the runner already has (its scheduler
-  counts), handed to the op as ``actual_seq_lengths_kv`` (``SymInt[]`` in the wheel's schema). Why the host:
-  the op needs the values to tile, and a list built from ``seq_lens`` inside a graph is a device → host read
-  per layer per step. Under torchair the ints must reach the graph as symbols, not constants: torchair's
-  converter turns a SymInt graph input into a host ``Data`` input of the GE graph (``fx2ge_converter.py``
-  ``parse_input``: ``placement='CPU'``) and, in npugraph_ex mode, re-feeds ``actual_seq_lengths(_kv)`` of each
-  captured FIA call on replay (``_acl_concrete_graph/acl_graph.py``); a plain ``int`` becomes a ``Const`` (a
-  graph per value). ``torch.compile(dynamic=False)`` specialises ints, so the compiling side marks these
-  sources dynamic (vllm-ascend v0.11.0 compiled with ``dynamic=True`` and ``mark_static`` on every tensor;
-  ``torch.compiler.config.dynamic_sources`` does it for the named sources only). Pad rows pass 0, as
-  vllm-ascend pads ``seq_lens_list``. The draft chain's steps 2..K have lengths that follow acceptance, known
-  only on the device. In GE mode (``max-autotune``, ``draft_kv_lengths`` ``auto`` or ``exact``) they reach the
-  op as that tensor (``PagedInputs.kv_lens_on_device``) through torchair's own registration of the op with
-  ``Tensor?`` lengths (``torch.ops.air.npu_fused_infer_attention_score``, ``torchair/ops/``; the
-  ``torch.ops.npu`` schema takes ``SymInt[]`` only), whose GE converter hands them to the graph's
-  FusedInferAttentionScore as they are and whose eager kernels only raise. Elsewhere (npugraph_ex, which
-  re-feeds host lengths on replay; ``upper_bound``; an eager run) the host passes an upper bound, the verify's
-  length plus the step (``graph.steps.draft_lens_host``), as vllm-ascend's padded drafter does (its
-  ``seq_lens_cpu + 1`` per step, no sync): a draft token may then also attend to the keys of rejected
-  positions, which can cost acceptance, never correctness (the target verifies every draft with exact
-  lengths). Figures: ``docs/draft-kv-lengths.md``.
-Pad rows (``seq_lens == 0``) get a finite, discarded result.
+Kernels computing one function: :func:`gather_mla` (the reference), :func:`flex_mla` and :func:`npu_mla`.
 """
 from __future__ import annotations
 

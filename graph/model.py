@@ -1,12 +1,5 @@
 """DeepSeek-V3 target model and its MTP layer(s), with HF parameter names.
-
-``state_dict()`` keys are DeepSeek-V3's HF names, the MTP layer sitting at index ``num_hidden_layers``, with two
-departures that the loader (:mod:`.weights`) maps: routed experts are stacked (``mlp.experts.w13_weight``,
-``w2_weight``: vLLM FusedMoE's layout), and the MTP layer holds no ``embed_tokens`` / ``shared_head.head`` of
-its own: it shares the target's embedding and lm_head, as vLLM does (the checkpoint's copies are identical).
-Two call paths share one set of weights:
-- ``*_paged``: fixed-shape ``[B, Q]`` batches over a paged latent cache (prefill, decode, verify, draft);
-- ``*_dense``: full causal sequences without a cache (training, reference).
+Two call paths share one set of weights: ``*_paged`` (fixed shapes over a paged latent cache) and ``*_dense``.
 """
 from __future__ import annotations
 

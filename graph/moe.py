@@ -1,28 +1,5 @@
 """DeepSeekMoE with noaux_tc routing, over vLLM FusedMoE's stacked expert layout.
-
-Routing is HF ``DeepseekV3TopkRouter`` / vLLM ``grouped_topk``: fp32 sigmoid scores; ``e_score_correction_bias``
-is added for *choosing* only; a group's score is the sum of its top-2 biased scores; the best ``topk_group``
-groups stay; top-``num_experts_per_tok`` experts on the biased scores; their weights are the *unbiased*
-scores, renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``. Shared experts are a plain
-gated MLP added to the routed sum.
-
-Experts are stored stacked, ``w13 [E, 2I, D]`` (gate rows, then up rows) and ``w2 [E, D, I]``, FusedMoE's
-unquantised layout. This module serves the standalone engine; inside vLLM the drafter calls vLLM's own MoE module
-instead (its quant method and kernels, see ``compat/host_weights.py``). The routed computation has two
-fixed-shape formulations, picked statically from the shapes (never from the data), so a compiled graph has no
-host sync and no data-dependent shape:
-
-- ``gather``: each of the ``T·k`` (token, expert) pairs gathers its expert's weights and runs a batched GEMV.
-  Compiled, inductor fuses the gather into one kernel that reads the chosen experts in place; eager, each pair's
-  weights are copied first.
-- ``dense``: every expert runs on every token and a ``[T, E]`` routing matrix (zero off the top-k) combines
-  them. Reads each expert once and does ``E/k`` times the needed FLOPs.
-
-``auto`` picks from the measured crossover (``tools/bench_moe.py``, CPU, fp32): compiled, gather wins up to about
-``T·k = 8E`` pairs (DeepSeek-V3 decode, k/E = 1/32, always gathers); eager, only below about ``T·k = E/4``.
-
-On Ascend NPUs the torchair backend replaces the routed part with torch_npu's fused MoE ops
-(:mod:`ascend_spec.graph.moe_npu`).
+The routed computation has two fixed-shape formulations, ``gather`` and ``dense``, picked from the shapes.
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """The routed half of DeepSeekMoE on Ascend NPUs, through torch_npu's fused MoE ops.
 Same function as :func:`~ascend_spec.graph.moe.grouped_topk` + :func:`~ascend_spec.graph.moe.routed_experts`.
-
-Composed as vllm-ascend's torchair MoE did for the all-gather / single-device case (no MC2, no expert map):
-
-    npu_moe_gating_top_k → npu_moe_init_routing → npu_moe_compute_expert_tokens
-      → npu_grouped_matmul (w13) → npu_swiglu → npu_grouped_matmul (w2) → npu_moe_finalize_routing
-
-Every shape is fixed by ``T``, ``E``, ``top_k`` (no host reads), so torchair captures it in one graph; torch_npu is
-imported inside the function only, as it needs CANN. Why ``npu_moe_init_routing`` v1, and what is and is not
-verified off-NPU: docs/design.md, "The NPU MoE".
 """
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """The fixed-shape step functions that get compiled per batch bucket: target verify, draft chain, prefill.
-
-- ``target_step``: one target forward of ``[B, Q]`` tokens (decode: Q = 1; verify: Q = 1 + K).
-- ``draft_step``: the MTP proposer's whole K-token chain for ``[B, Q]`` verified tokens.
-- ``prefill_step``: the target over prompts (``[B, Q]``, Q a dynamic or bucketed query width).
-All are plain functions over tensors (the model is closed over), so the same definition runs eagerly,
-under torch.compile (inductor / CUDA graphs) and under torchair.
+Plain functions over tensors: ``target_step``, ``draft_step`` and ``prefill_step``.
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Greedy drafting over a vocabulary split across tensor-parallel ranks: one collective between draft positions.
-
-With the vocabulary split across ranks, a drafter pays two collectives from one draft position to the next: the
-lm_head's logits all-gather (to take the argmax) and the embedding's all-reduce (to embed the token just drafted,
-whose row only one rank holds). For greedy drafts both fold into one all-gather of each rank's *candidate*: its
-largest logit, that token's global id and the token's embedding row, which the rank holds because the token lies
-in its own slice. Every rank then keeps the candidate with the largest logit, ties going to the lowest rank (whose
-ids are the lowest: ``argmax``'s first-occurrence rule over the full logits). Token and embedding are bit for bit
-what the gathered argmax and the all-reduced lookup give (the all-reduce adds zeros to the owner's row).
-
-Pure tensor code: the host engine (``compat/``) supplies this rank's logits, its embedding lookup and the gather.
+Each rank's candidate is gathered: its largest logit, that token's global id and the token's embedding row.
 """
 from __future__ import annotations
 

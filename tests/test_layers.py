@@ -192,3 +192,21 @@ def test_the_checks_catch_an_upward_edge_and_a_cycle():
     assert upward_edges(graph) == ["ascend_spec.graph.model (graph) imports ascend_spec.engine (engine)",
                                    "ascend_spec.requests (base) imports ascend_spec.scheduler (runner)"]
     assert cycles(graph) == [["ascend_spec.requests", "ascend_spec.scheduler"]]
+
+
+def runtime_modules() -> dict[str, Path]:
+    """What every vLLM worker may import: ``ascend_spec``, its graphs and compat, not the tools beside it."""
+    return {m: p for m, p in discover().items() if m == "ascend_spec" or m.startswith("ascend_spec.")}
+
+
+def test_every_runtime_module_opens_with_at_most_two_lines():
+    """Each runtime module's docstring says what it holds in two lines; the rest goes to docs/modules.md."""
+    bad = []
+    for path in sorted(runtime_modules().values()):
+        doc = ast.get_docstring(ast.parse(path.read_text(), filename=str(path)))
+        if not doc:
+            bad.append(f"{path.relative_to(ROOT)}: no module docstring")
+        elif len(doc.splitlines()) > 2:
+            bad.append(f"{path.relative_to(ROOT)}: {len(doc.splitlines())} lines")
+    assert bad == [], ("module docstrings missing or over two lines (the rest goes to docs/modules.md):\n"
+                       + "\n".join(bad))

@@ -1,7 +1,5 @@
-"""Bundled checkpoints.
-
-``BUNDLED_MODEL_DIR``: the demo and benchmark model, DeepSeek-V3's depth ratio in miniature (12 target layers to
-1 MTP layer). ``FIXTURE_MODEL_DIR``: the earlier 2-layer model, kept as a small, fast-compiling test fixture.
+"""Bundled checkpoints: ``BUNDLED_MODEL_DIR``, the demo and benchmark model, DeepSeek-V3's depth ratio in miniature,
+and ``FIXTURE_MODEL_DIR``, the earlier 2-layer model kept as a small, fast-compiling test fixture.
 """
 from pathlib import Path
 

@@ -1,29 +1,5 @@
 """Compiled graphs saved whole and loaded without tracing: a warm start that skips Dynamo (inductor on CPU).
-
-The compile cache's artifacts (``compile_cache``) hold inductor's output, not Dynamo's trace, so a start from them
-still traces every graph (most of a warm start's time, see ``docs/startup.md``). Here each graph is a list of
-*variants*, each one of torch's AOT-compiled functions (``torch.compile(fn).aot_compile``): the transformed
-bytecode, its guards and the inductor artifact, saved with ``AOTCompiledFunction.serialize`` and loaded with
-``deserialize``, as vLLM's warm start does. A call runs the first variant whose guards accept the arguments; when
-none does, one Dynamo trace compiles a new variant (a batch of one, a width range inductor specialised) and the
-graph's file is rewritten.
-
-Safety:
-- An entry is keyed (:class:`~.compile_cache.CacheKey`) by the model config, the backend and its options, the
-  device's kind and CPU capability, torch and Python, the graph's tag, what the graph function closes over
-  (:func:`closure_fingerprint`: K, modes, flags) and a digest of every source file of the package (the saved
-  bytecode is the traced code: any change to it must miss, not replay the old one).
-- The graph closes over the model; its modules are passed in as external data at save and load, so a loaded graph
-  reads the weights of the model it serves (never a copy).
-- Guards kept are the portable ones (tensor metadata of the arguments, dynamic-shape relations, global state): the
-  others cannot be rebuilt in another process. The graph key fixes the rest (``graph.backends.guards``).
-- A corrupt, foreign or unloadable entry warns once, is removed and reads as a miss; a variant whose guards fail
-  is not called. A graph's host-op findings (``graph.backends.lint``) are stored with it and reported on load.
-- ``torch.compiler.set_stance("fail_on_recompile")`` refuses a new variant once one exists, as Dynamo does.
-
-Torch 2.13 quirks handled here: un-pickling a guard state that names an imported module installs a guard and needs
-a tracing context (a throwaway one is given), and a tensor still marked dynamic fails a loaded variant's guards
-(variants are compiled on unmarked aliases of the arguments).
+Each graph is a list of AOT-compiled variants with their guards; a call runs the first whose guards accept it.
 """
 from __future__ import annotations
 

@@ -1,43 +1,5 @@
 """Compiled graphs kept across runs and checkouts: an on-disk cache of torch's compile artifacts.
-
-Where
-    ``$ASCEND_SPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/ascend-spec``, else ``~/.cache/ascend-spec``.
-    Compiled artifacts are code (pickles, generated Python, shared objects), so the folder must be the
-    user's own: it is created with mode 0700, and an existing one that another user owns or that is
-    group/world-writable is refused (:class:`CacheDirError`, naming the folder and the fix). The engine
-    opens the cache through :func:`open_default_cache`, which turns that refusal into one warning and
-    runs without the cache, like vLLM, which never fails a start over its compile cache; ``ascend-spec
-    cache info|clear`` reports the error instead. ``ASCEND_SPEC_DISABLE_COMPILE_CACHE=1`` turns it off.
-
-What
-    One file per :class:`CacheKey` (model config, graph code digest, torch and Python versions, backend
-    and its options, and a label for the warm-up), ``<digest>.bin``: a header (magic, format version,
-    the key as JSON, sha256 and length of the payload) and the payload, the bytes of
-    ``torch.compiler.save_cache_artifacts()``: the FX-graph (inductor), AOTAutograd, autotune and PGO
-    cache entries this process produced or used. Those are process-wide, so a key names a warm-up, not
-    one graph: load before the warm-up compiles anything, save once it is done
-    (:meth:`CompileCache.around_warmup`). A corrupt, truncated, foreign (another key's or another
-    torch's) or unloadable entry gives one warning, is deleted and reads as a miss: the caller compiles.
-
-Inductor's working cache (``TORCHINDUCTOR_CACHE_DIR``)
-    Loading artifacts writes them into inductor's on-disk cache, and every compile reads from it. Its
-    default, ``/tmp/torchinductor_<user>``, lives in a world-writable folder that anyone can pre-create
-    and it is wiped on reboot; it also holds what the payload lacks on CPU, the compiled C++ kernels
-    (``.so``), which would otherwise be rebuilt on every fresh start. :meth:`CompileCache.use_for_inductor`
-    therefore points it at ``<cache root>/inductor`` (0700) when the user has not set it; a value set by
-    the user, or by a host such as vLLM, which keeps its own compile cache, is left as it is. Torch writes
-    its default back into the environment on first use, so this takes effect only before the first
-    compile of the process (the engine opens the cache at load). Entries there are keyed by torch itself
-    (graph, inputs, versions, config), so stale ones miss rather than load.
-
-Modules
-    :mod:`.cache_dir` (the folder), :mod:`.cache_entry` (the key and the file format), this one (the cache:
-    load, save, list, clear; the engine's entry point).
-
-Dynamo's tracing
-    The payload above holds no Dynamo trace: a start from it traces every graph again. Where graphs can be saved
-    whole (CPU inductor) the engine uses :mod:`.aot_graphs` instead, with entries in this folder and this file
-    format, one per graph. ``TORCH_CACHING_PRECOMPILE=1`` is not used: why, in docs/startup.md.
+One file per :class:`CacheKey` in a folder the user owns; the engine opens it through :func:`open_default_cache`.
 """
 from __future__ import annotations
 

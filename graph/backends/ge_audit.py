@@ -1,14 +1,5 @@
 """The ops of a graph as torchair's GE translation receives them, checked against torchair's converters.
-
-torchair's backend (``npu_fx_compiler._npu_backend``) hands Dynamo's graph to ``aot_module_simplified`` with its
-own decompositions (collectives only: ``get_npu_default_decompositions``), keeps input mutations in the inference
-graph, then removes no-op ops and turns ``view`` into ``reshape`` (``_optimize_fx``) before converting each node
-to GE. :func:`torchair_inference_graph` repeats those steps with torch alone, so the graph here is the one GE mode
-(``max-autotune``) converts op by op; npugraph_ex mode captures the same graph's ops as ACL kernels instead.
-
-:class:`ConverterIndex` reads the converters from torchair's sources (``_ge_concrete_graph/ge_converter/``):
-which overloads are registered, which only raise (registered but not implemented), and the input dtypes each
-``declare_supported`` case lists. :func:`audit` gives every op use its verdict.
+:func:`torchair_inference_graph` repeats torchair's steps with torch alone; :func:`audit` gives each op its verdict.
 """
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
 """Which of Dynamo's guards a compiled step keeps: those on what changes between calls, not on what never does.
 A graph key already fixes the model, K, the sampling mode and ``max_model_len``, so guards on them only cost time.
-
-``keep_input_guards`` keeps what the caller passes and can change: each input tensor's dtype, device, rank,
-static sizes and strides (``TENSOR_MATCH`` of every tensor that is not a model parameter), the dynamic
-dimensions' relations (``SHAPE_ENV``: they pick between a batch-of-one graph and the dynamic one), list lengths
-of the inputs, and the global state a graph depends on (grad mode, default device, deterministic algorithms,
-torch-function mode). It drops guards on parameters (their metadata is fixed at load; the graph reads their
-current values each call), on the closure (the graph key already fixes it) and on module globals. The contract
-this needs: a graph serves the model it was built for; a model whose parameters change shape or dtype gets new
-graphs (a new engine). What the dropped guards cost a step: docs/performance.md, "Dynamo's guards on CPU".
 """
 from __future__ import annotations
 

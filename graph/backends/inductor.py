@@ -1,14 +1,5 @@
 """torch.compile: plain inductor on CPU, ``reduce-overhead`` (CUDA graphs) on CUDA.
-
-One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions:
-inductor's kernels take the sizes as arguments, so every bucket and every context length replays the same
-artifact. On CUDA, CUDA graph trees capture one graph per batch bucket from that artifact; the block table
-keeps its full width there (a captured graph has fixed shapes), and attention is the gather kernel: its cost
-follows ``max_model_len`` on CUDA until a paged kernel that skips dead blocks compiles there (``flex_mla`` does
-not, see ``graph.mla_kernels``).
-
-Compile time: each decoder layer is a nested compile region (``graph.model.DecoderLayer``), so inductor
-compiles one layer body and reuses it for every layer of the same shape.
+One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions.
 """
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
 """Graph lint: find the ops of a captured graph that need the host, before the backend lowers it.
-
-``fullgraph=True`` does not keep host reads out of a graph: Dynamo captures scalar outputs (``.item()``, and
-``.tolist()`` of an integer tensor, as one ``item`` per element), which lower to ``_local_scalar_dense`` and read
-device memory at run time on CUDA and NPU. Neither is a graph break, so only the graph itself shows them. Every
-backend that compiles passes the FX graph Dynamo hands it through :meth:`GraphLint.check` first, nested compile
-regions included; strict mode (``graph_failure: raise``) refuses a graph with such an op, naming it and its source
-line; otherwise each finding is counted and logged once.
-
-What counts: scalar outputs (``item``, ``_local_scalar_dense``), data-dependent shapes (``nonzero``,
-``masked_select``, ``unique``, ... and any value carrying an unbacked symbol) and device -> host copies (``cpu``,
-``numpy``, ``to``/``copy_`` onto the CPU from another device).
+Every backend that compiles passes Dynamo's FX graph through :meth:`GraphLint.check` first.
 """
 from __future__ import annotations
 

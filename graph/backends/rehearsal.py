@@ -1,11 +1,5 @@
 """torchair's shape policy without an NPU: a rehearsal of the graphs a GE deployment compiles and replays.
-
-One graph per batch bucket (and per query width), full-width block tables, outputs overwritten by the next replay
-(callers clone), and each compiled key held to the shapes of its first call, as a GE graph compiled with
-``dynamic=False`` is: a call at other shapes raises :class:`GraphShapeError` naming the key and both shapes (on the
-NPU it would compile again, in the middle of serving). The graph definitions run eagerly with the reference
-attention kernel, so a run on any device shows which keys warm-up makes and that no live step meets a shape warm-up
-did not make (inside vLLM too: the cache vLLM bound, its block size, its table width).
+One graph per batch bucket and query width, each key held to its first call's shapes (:class:`GraphShapeError`).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """torchair on Ascend NPUs: ``torchair.get_npu_backend(compiler_config=...)``.
-
-torchair ships inside torch_npu and needs CANN; it is imported only when this backend is chosen.
-The ``CompilerConfig`` mapping mirrors vllm-ascend's torchair graph mode.
+Its ``CompilerConfig`` mirrors vllm-ascend's torchair graph mode; torchair is imported only when it is chosen.
 """
 from __future__ import annotations
 
