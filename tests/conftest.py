@@ -35,6 +35,30 @@ LONGEST_FIRST = ("test_fused_step", "test_vllm_dp", "test_vllm_tp", "test_vllm_v
                  "test_vllm_memory", "test_vllm_quant", "test_ge_op_audit", "test_guards", "test_deferred_graphs")
 
 
+#: where ``pytest_runtest_protocol`` appends one JSON line per test: its CPU seconds (this process and the
+#: subprocesses it waited for) and wall seconds, setup and teardown included; unset: nothing is written
+CPU_LOG_ENV = "ASCEND_SPEC_TEST_CPU_LOG"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get(CPU_LOG_ENV)
+    if not path:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    yield
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "cpu": round(cpu() - c0, 2),
+                            "wall": round(time.monotonic() - t0, 2)}) + "\n")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
@@ -163,9 +187,7 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
     vLLM's ``runner`` model runner: name → result. ``processes`` > 1 deals the runs round-robin to that many harness
     processes running side by side, for runs independent of each other: one harness process keeps about one core
     busy, and this host kind has two. Fails with the log's tail when a harness does."""
-    # each process gets its share of every drafter's runs: ours compile graphs, and lists often alternate drafters
-    dealt = sorted(configs, key=lambda c: str(c.get("drafter", "")))
-    groups = [dealt[i::processes] for i in range(processes)]
+    groups = deal_runs(configs, processes)
     procs = [_start_harness(group, checkpoint, tmp / f"harness{i}" if processes > 1 else tmp, runner)
              for i, group in enumerate(groups) if group]
     results: dict[str, dict] = {}
@@ -182,6 +204,37 @@ def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int =
                 proc.kill()
                 proc.wait()
     return results
+
+
+#: the ``llm`` settings that shape our drafter's graphs (its compile cache key); the others (KV pool, batch) do not
+GRAPH_LLM_KEYS = ("max_model_len", "tensor_parallel_size", "dtype", "block_size", "attention_backend")
+
+
+def graph_group(cfg: dict) -> str:
+    """Runs of one group build our drafter's graphs under one compile cache key: the first compiles, the rest
+    load, if they run in the same process after it (two processes side by side would both compile)."""
+    if cfg.get("drafter") != "ours":
+        return ""
+    llm = {k: v for k, v in cfg.get("llm", {}).items() if k in GRAPH_LLM_KEYS}
+    return json.dumps([cfg.get("checkpoint"), cfg.get("k", 2), cfg.get("graph"), cfg.get("spec"), llm],
+                      sort_keys=True)
+
+
+def deal_runs(configs: list[dict], processes: int) -> list[list[dict]]:
+    """``configs`` dealt to ``processes`` lists: each graph group whole to one process (its compile once), the
+    groups of our drafter first, largest first, each to the process with the fewest runs (ours count three: they
+    compile), then vLLM's runs one by one the same way; each list keeps the order of ``configs``."""
+    weight = {"ours": 3}
+    groups: dict[str, list[int]] = {}
+    for i, c in enumerate(configs):
+        key = graph_group(c) or f"run {i}"
+        groups.setdefault(key, []).append(i)
+    load, dealt = [0] * processes, [[] for _ in range(processes)]
+    for members in sorted(groups.values(), key=lambda m: -sum(weight.get(configs[i].get("drafter"), 1) for i in m)):
+        p = min(range(processes), key=lambda j: load[j])
+        dealt[p] += members
+        load[p] += sum(weight.get(configs[i].get("drafter"), 1) for i in members)
+    return [[configs[i] for i in sorted(d)] for d in dealt]
 
 
 def _start_harness(configs: list[dict], checkpoint: Path, tmp: Path, runner: str):

@@ -141,6 +141,30 @@ def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
     assert run.stdout.split()[-2:] == ["1", "0"], run.stdout
 
 
+def test_a_graph_another_process_is_compiling_is_waited_for_and_loaded(tmp_path: Path) -> None:
+    """Data-parallel ranks (and engines side by side) on one host need the same graphs at once: while one holds the
+    compile cache's lock on a graph, another that finds it missing waits, then loads what the first saved."""
+    import shutil
+    import threading
+
+    w, x = torch.randn(3, 4), torch.randn(5, 3)
+    first = _store(tmp_path / "first")
+    compiled = _graph(first)
+    compiled(x, w)
+    [entry] = first.cache.entries()
+    waiter = _store(tmp_path / "waiter")
+    results: list[torch.Tensor] = []
+    with waiter.cache.compiling(compiled.key):
+        thread = threading.Thread(target=lambda: results.append(_graph(waiter)(x, w)))
+        thread.start()
+        thread.join(timeout=2)  # it finds no entry and waits on the lock held here
+        assert thread.is_alive() and not results
+        shutil.copy(entry.path, waiter.cache.root / entry.path.name)  # what the holder saves before releasing
+    thread.join(timeout=300)
+    torch.testing.assert_close(results[0], _affine(x, w))
+    assert (waiter.loaded, waiter.compiled) == (1, 0)
+
+
 @pytest.fixture(scope="module")
 def warm_store(trained_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """An engine's first start into an empty store: (cache folder, greedy outputs, its store)."""

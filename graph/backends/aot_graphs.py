@@ -214,8 +214,12 @@ class AotGraph:
 
     def _load(self) -> None:
         self.key = self.store.key(self.tag, closure_fingerprint(self.fn))
+        self._read_stored()
+
+    def _read_stored(self) -> None:
+        assert self.key is not None
         stored = self.store.read(self.key)
-        if stored is None:
+        if stored is None or len(stored["variants"]) <= len(self._saved):
             return
         try:
             variants = [_deserialize(data, self.fn.__globals__, self.store.external) for data in stored["variants"]]
@@ -224,13 +228,24 @@ class AotGraph:
             self.store.reject(self.key, f"torch could not load it ({exc.__class__.__name__}: {exc})")
             return
         self.lint.report(findings, self.tag)  # as at compile: strict refuses, else counted
+        self.store.loaded += len(variants) - len(self.variants)
         self.variants, self._saved, self._findings = variants, list(stored["variants"]), findings
-        self.store.loaded += len(variants)
         self.store_loaded = True
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         if self.variants and _stance_refuses():
             raise RuntimeError(f"{_STANCE_REFUSAL}: graph {self.tag!r} has no variant for these arguments")
+        assert self.key is not None
+        with self.store.cache.compiling(self.key):
+            # another process may have saved a variant while this one waited (data-parallel ranks, engines side
+            # by side): load it rather than compile it again
+            self._read_stored()
+            for variant in self.variants:
+                if _accepts(variant, args):
+                    return variant
+            return self._compile_locked(args)
+
+    def _compile_locked(self, args: tuple[Any, ...]) -> Any:
         if self.store_loaded and not self._warned:
             self._warned = True
             log.warning("saved graph %s: no stored variant accepts these arguments (a shape or dtype it was not "

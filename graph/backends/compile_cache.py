@@ -28,6 +28,7 @@ ENV_DISABLE = "ASCEND_SPEC_DISABLE_COMPILE_CACHE"
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_SUBDIR = "inductor"
 ENTRY_SUFFIX = ".bin"
+LOCK_SUFFIX = ".lock"
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,24 @@ class CompileCache:
         yield hit
         self.save(key)
 
+    @contextlib.contextmanager
+    def compiling(self, key: CacheKey) -> Iterator[None]:
+        """Held while one process compiles ``key``: another process of this host that needs the same entry (a
+        data-parallel rank, a second engine) waits, then reads what the first saved instead of compiling it too.
+        An advisory lock on a file beside the entry; the kernel releases it if the holder dies."""
+        try:
+            import fcntl
+        except ImportError:  # no POSIX locks (Windows): each process compiles its own
+            yield
+            return
+        lock = self.root / f".{key.digest}{LOCK_SUFFIX}"
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def entries(self) -> list[EntryInfo]:
         out = []
         for path in sorted(self.root.glob(f"*{ENTRY_SUFFIX}")):
@@ -131,7 +150,8 @@ class CompileCache:
     def clear(self) -> int:
         """Remove every entry, leftover temporary file and ``<root>/inductor``; returns the bytes freed."""
         freed = 0
-        for path in [*self.root.glob(f"*{ENTRY_SUFFIX}"), *self.root.glob(f".*{TMP_SUFFIX}")]:
+        for path in [*self.root.glob(f"*{ENTRY_SUFFIX}"), *self.root.glob(f".*{TMP_SUFFIX}"),
+                     *self.root.glob(f".*{LOCK_SUFFIX}")]:
             with contextlib.suppress(FileNotFoundError):
                 size = path.stat().st_size
                 path.unlink()
