@@ -1,4 +1,5 @@
 """Graph mode: inductor vs eager parity per bucket, zero recompiles after warm-up, proposer signatures."""
+import dataclasses
 import inspect
 import random
 
@@ -14,7 +15,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import generate_without_recompiles, npu_available, prefill_inputs, record_draft_calls
+from .conftest import generate_without_recompiles, inductor_config, npu_available, prefill_inputs, record_draft_calls
 
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
@@ -52,10 +53,8 @@ def test_inductor_draft_parity_every_bucket(trained_dir, k):
 
 @pytest.fixture(scope="module")
 def inductor_engine(trained_dir):
-    eng = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
-                                                speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                graph=GraphModeConfig(backend="inductor",
-                                                                          graph_batch_sizes=SIZES), adaptive_k=False))
+    """The suite's compiled K = 2 engine (its graphs are compiled once a run, here or by another module)."""
+    eng = load_engine(trained_dir, inductor_config(2))
     eng.warmup(progress=False)
     return eng
 
@@ -64,9 +63,8 @@ def inductor_engine(trained_dir):
 def test_end_to_end_greedy_identical_across_backends(trained_dir, inductor_engine):
     tok = TextTokenizer(trained_dir)
     prompts = [tok.encode(t) for t in TEXTS]
-    eager = load_engine(trained_dir, EngineConfig(max_model_len=192, max_num_seqs=4,
-                                                  speculative=SpeculativeConfig(num_speculative_tokens=2),
-                                                  graph=GraphModeConfig(enabled=False, backend="eager")))
+    eager = load_engine(trained_dir, dataclasses.replace(inductor_config(2), graph=GraphModeConfig(
+        enabled=False, backend="eager")))
     ref, _, ref_m = eager.generate(prompts, SamplingParams(), 40)
     got, stats, m = inductor_engine.generate(prompts, SamplingParams(), 40)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
