@@ -134,8 +134,9 @@ def moe_ckpts(tmp_path_factory):
 
 
 def inductor_config(k: int) -> EngineConfig:
-    """The compiled engine of test_fused_step and test_guards: one model, max_model_len and KV pool, so that an
-    engine warmed up as an earlier one was finds its graphs in inductor's cache instead of compiling them again."""
+    """The compiled engine of test_fused_step, test_graph_mode, test_guards and test_aot_graphs: one model,
+    max_model_len and KV pool, so that an engine warmed up as an earlier one was (in either test worker) loads its
+    graphs from the compile cache instead of compiling them again."""
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
                         graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
@@ -221,19 +222,21 @@ def graph_group(cfg: dict) -> str:
 
 
 def deal_runs(configs: list[dict], processes: int) -> list[list[dict]]:
-    """``configs`` dealt to ``processes`` lists: each graph group whole to one process (its compile once), the
-    groups of our drafter first, largest first, each to the process with the fewest runs (ours count three: they
-    compile), then vLLM's runs one by one the same way; each list keeps the order of ``configs``."""
-    weight = {"ours": 3}
+    """``configs`` dealt to ``processes`` lists: each graph group whole to one process (it compiles once), the
+    heaviest first, each to the least loaded process (a run weighs one, the compile of a group of ours two more);
+    each list keeps the order of ``configs``."""
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(configs):
-        key = graph_group(c) or f"run {i}"
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(graph_group(c) or f"run {i}", []).append(i)
+
+    def weight(members: list[int]) -> int:
+        return len(members) + (2 if configs[members[0]].get("drafter") == "ours" else 0)
+
     load, dealt = [0] * processes, [[] for _ in range(processes)]
-    for members in sorted(groups.values(), key=lambda m: -sum(weight.get(configs[i].get("drafter"), 1) for i in m)):
+    for members in sorted(groups.values(), key=weight, reverse=True):
         p = min(range(processes), key=lambda j: load[j])
         dealt[p] += members
-        load[p] += sum(weight.get(configs[i].get("drafter"), 1) for i in members)
+        load[p] += weight(members)
     return [[configs[i] for i in sorted(d)] for d in dealt]
 
 
