@@ -791,11 +791,12 @@ def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
 def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused):
     """Inductor, disable_padded_drafter_batch: the unpadded layout keeps the verify width, so the graphs warm-up
     built replay (the fused step, or the target and draft graphs): no compile after warm-up, no host sync, and
-    the no-spec engine's tokens, while the batch drains from 3 to 1."""
+    the no-spec engine's tokens, while the batch drains from 3 to 1 (padded to two rows: the one-row graphs are
+    test_lone_request_has_its_own_warm_graph's)."""
     from ascend_spec.engine import dynamo_compile_count
 
     cfg = inductor_config(2)
-    cfg = dataclasses.replace(cfg, fused_step=fused,
+    cfg = dataclasses.replace(cfg, fused_step=fused, graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4)),
                               speculative=dataclasses.replace(cfg.speculative, disable_padded_drafter_batch=True))
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     eng.warmup(progress=False)
