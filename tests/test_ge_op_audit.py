@@ -30,7 +30,7 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
 from . import npu_standin
-from .test_torchair_contract import GE_CONVERTERS, TORCH_NPU_VERSION, TORCHAIR_PREFIX, _cache_dir
+from .test_torchair_contract import GE_CONVERTERS, TORCHAIR_PREFIX, _download_wheel
 
 #: every test here builds compiled engines or graphs (make test-fast leaves them out)
 pytestmark = pytest.mark.slow
@@ -44,10 +44,8 @@ MOE_PRESET = "moe-e16-k4"
 
 
 def _wheel() -> Path:
-    found = sorted(_cache_dir().glob(f"torch_npu-{TORCH_NPU_VERSION}-cp311-*.whl"))
-    if not found:
-        pytest.skip(f"torch_npu {TORCH_NPU_VERSION} wheel not cached (tests/test_torchair_contract.py downloads it)")
-    return found[0]
+    """The torch_npu wheel (downloaded once, as tests/test_torchair_contract.py does, whichever test asks first)."""
+    return _download_wheel()
 
 
 @pytest.fixture(scope="module")

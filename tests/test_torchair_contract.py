@@ -55,12 +55,21 @@ def _cache_dir() -> Path:
 
 
 def _download_wheel() -> Path:
+    """The cached torch_npu wheel, downloaded first if missing (one test worker at a time: a lock file beside it)."""
+    import fcntl
+
     cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".download.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _download_wheel_locked(cache)
+
+
+def _download_wheel_locked(cache: Path) -> Path:
     pattern = f"torch_npu-{TORCH_NPU_VERSION}-cp311-*.whl"
     found = sorted(cache.glob(pattern))
     if found:
         return found[0]
-    cache.mkdir(parents=True, exist_ok=True)
     errors = []
     for platform in PLATFORMS:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"torch_npu=={TORCH_NPU_VERSION}",
