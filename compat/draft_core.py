@@ -94,12 +94,11 @@ def fit_width(block_table: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class StatsFile:
-    """``{stats_dir}/drafter-rank{R}.json``: written at start, at most every few seconds while serving (a
-    worker can be killed without notice) and at interpreter exit."""
+    """``{stats_dir}/drafter-rank{R}.json``: written at start, at most every ``interval_s`` while serving (a
+    worker can be killed without notice, before interpreter exit) and at interpreter exit."""
 
-    MIN_INTERVAL_S = 5.0
-
-    def __init__(self, stats_dir: str, stats: DrafterStats) -> None:
+    def __init__(self, stats_dir: str, stats: DrafterStats, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
         dp = f"dp{stats.dp_rank}-" if stats.dp_size > 1 else ""
         self.path = Path(stats_dir) / f"drafter-{dp}rank{stats.rank}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,7 +107,7 @@ class StatsFile:
         atexit.register(self.write)
 
     def maybe_write(self) -> None:
-        if time.monotonic() - self._last >= self.MIN_INTERVAL_S:
+        if time.monotonic() - self._last >= self.interval_s:
             self.write()
 
     def write(self) -> None:
@@ -162,7 +161,8 @@ class DraftCoreMixin:
         self._ascend_tp = get_tensor_model_parallel_world_size()
         self.ascend_stats.rank = get_tensor_model_parallel_rank()
         if self.ascend_settings.stats_dir:  # also with vLLM's drafter (enabled: false), to compare the two
-            self._ascend_stats_file = StatsFile(self.ascend_settings.stats_dir, self.ascend_stats)
+            self._ascend_stats_file = StatsFile(self.ascend_settings.stats_dir, self.ascend_stats,
+                                                self.ascend_settings.stats_interval_s)
         if not self.ascend_enabled:
             return
         logger.info("ascend_spec: vLLM API shapes in use: %s", drift)
@@ -340,6 +340,8 @@ class DraftCoreMixin:
         with torch.inference_mode(), self._dp_sync(rows, q), self._warmup_context(self._ascend.graph.tokens_for(rows, q)):
             self._ascend.dummy_run(rows)
         self.ascend_stats.own_dummy_runs += 1
+        if self._ascend_stats_file is not None:
+            self._ascend_stats_file.maybe_write()
 
     def _run_ours(self, inputs: DraftInputs) -> torch.Tensor:
         """One draft through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids."""

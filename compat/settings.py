@@ -11,7 +11,7 @@ from ascend_spec.config import GRAPH_FAILURE_POLICIES, ConfigError, GraphModeCon
 
 ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
-SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "graph_failure")
+SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "stats_interval_s", "graph_failure")
 DEFAULT_MAX_GRAPH_BATCH = 16
 METHODS = ("mtp", "deepseek_mtp")
 
@@ -22,6 +22,8 @@ class PluginSettings:
     warmup: bool = True
     collect_stats: bool = False
     stats_dir: str | None = None
+    #: seconds between rewrites of the stats file while serving (0: after every draft call)
+    stats_interval_s: float = 5.0
     #: None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (resolved where the backend is built)
     graph_failure: str | None = None
     graph: GraphModeConfig = field(default_factory=GraphModeConfig)
@@ -44,11 +46,15 @@ class PluginSettings:
         stats_dir = block.get("stats_dir")
         if stats_dir is not None and (not isinstance(stats_dir, str) or not stats_dir):
             raise ConfigError(f"{where}.stats_dir must be a folder path (string), got {stats_dir!r}")
+        interval = block.get("stats_interval_s", 5.0)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
+            raise ConfigError(f"{where}.stats_interval_s must be a number of seconds >= 0, got {interval!r}")
         policy = block.get("graph_failure")
         if policy is not None and policy not in GRAPH_FAILURE_POLICIES:
             raise ConfigError(f"{where}.graph_failure={policy!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
         return cls(enabled=block.get("enabled", True), warmup=block.get("warmup", True),
-                   collect_stats=block.get("collect_stats", False), stats_dir=stats_dir, graph_failure=policy,
+                   collect_stats=block.get("collect_stats", False), stats_dir=stats_dir,
+                   stats_interval_s=float(interval), graph_failure=policy,
                    graph=GraphModeConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
 
     def batch_sizes(self, max_num_seqs: int, num_speculative_tokens: int = 0, token_multiple: int = 1) -> list[int]:

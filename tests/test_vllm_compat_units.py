@@ -183,6 +183,10 @@ def test_stats_dir_setting():
     assert s.stats_dir == "/tmp/x"
     with pytest.raises(ConfigError, match=r"additional_config.ascend_spec.stats_dir must be a folder path"):
         PluginSettings.from_additional_config({"ascend_spec": {"stats_dir": 3}})
+    assert PluginSettings.from_additional_config({"ascend_spec": {"stats_interval_s": 0}}).stats_interval_s == 0
+    for bad in (-1, "5", True):
+        with pytest.raises(ConfigError, match=r"ascend_spec.stats_interval_s must be a number of seconds >= 0"):
+            PluginSettings.from_additional_config({"ascend_spec": {"stats_interval_s": bad}})
 
 
 def test_stats_file_is_replaced_whole(tmp_path):
@@ -192,12 +196,16 @@ def test_stats_file_is_replaced_whole(tmp_path):
     sink = StatsFile(str(tmp_path / "stats"), stats)
     sink.write()
     stats.graph_calls = 7
-    sink.maybe_write()  # within MIN_INTERVAL_S of the last write: skipped
+    sink.maybe_write()  # within interval_s of the last write: skipped
     path = tmp_path / "stats" / "drafter-rank1.json"
     assert json.loads(path.read_text())["graph_calls"] == 3
     sink.write()
     assert json.loads(path.read_text())["graph_calls"] == 7
     assert [p.name for p in path.parent.iterdir()] == ["drafter-rank1.json"]
+    every_call = StatsFile(str(tmp_path / "stats"), stats, interval_s=0)  # what tests reading the files set
+    stats.graph_calls = 9
+    every_call.maybe_write()
+    assert json.loads(path.read_text())["graph_calls"] == 9
 
 
 @pytest.mark.parametrize("sizes,k,tp,explicit,expected", [

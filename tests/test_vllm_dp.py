@@ -40,7 +40,7 @@ TIMEOUT = 1200  # s: a hang fails at this bound; a run takes a minute on a quiet
 
 def _config(who: str, k: int, stats: Path, llm: dict | None = None) -> dict:
     cfg = {"name": f"{who}_k{k}", "drafter": who, "k": k, "rank_prompts": LOADS[k], "max_tokens": MAX_TOKENS,
-           "llm": {"max_num_seqs": 4, **(llm or {})}, "ascend": {"stats_dir": str(stats)}}
+           "llm": {"max_num_seqs": 4, **(llm or {})}, "ascend": {"stats_dir": str(stats), "stats_interval_s": 0}}
     return {**cfg, "graph": GRAPH} if who == "ours" else cfg
 
 

@@ -39,7 +39,7 @@ def _configs(stats_dir: Path, ks: tuple[int, ...]) -> list[dict]:
     for k in ks:
         runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
         runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": {"graph_batch_sizes": [2, 4]},
-                     "ascend": {"stats_dir": str(stats_dir / f"k{k}")}, **RUN})
+                     "ascend": {"stats_dir": str(stats_dir / f"k{k}"), "stats_interval_s": 0}, **RUN})
     return runs
 
 

@@ -55,7 +55,8 @@ def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
               "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
         runs += [{"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
                  {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp,
-                  "ascend": {"stats_dir": stats_dir}}]  # workers are processes: their stats come from files
+                  # workers are processes: their stats come from files, written after every draft call
+                  "ascend": {"stats_dir": stats_dir, "stats_interval_s": 0}}]
     return runs
 
 
