@@ -20,8 +20,8 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``aot_ignores_guards``: a graph saved whole runs its first variant whatever the arguments (no guard check).
   Fails ``test_aot_graphs.py::test_a_variant_serves_what_its_guards_accept_and_loads_in_a_new_store``.
 - ``compile_without_lock``: a graph with no saved variant compiles at once, without the compile cache's lock and
-  the second look at the store after it. Fails ``test_aot_graphs.py::test_a_graph_another_process_is_compiling_is_
-  waited_for_and_loaded`` (compiled, not loaded).
+  the second look at the store after it. Fails
+  ``test_aot_graphs.py::test_a_graph_another_process_is_compiling_is_waited_for_and_loaded`` (compiled, not loaded).
 - ``deferred_compile_in_step``: a K that warm-up deferred is compiled by the step that first runs it, not before
   it. Fails ``test_deferred_graphs.py::test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed``
   (the K = 0 graph missing after acceptance was learned: ``{2} == {0, 2}``).
