@@ -29,7 +29,7 @@ from ascend_spec.torchair_proposer import MtpTorchairProposer
 
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view
-from .settings import METHODS, PluginSettings
+from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
 from .shims import CompatError, installed_vllm_version
 from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
 
@@ -97,7 +97,7 @@ class StatsFile:
     """``{stats_dir}/drafter-rank{R}.json``: written at start, at most every ``interval_s`` while serving (a
     worker can be killed without notice, before interpreter exit) and at interpreter exit."""
 
-    def __init__(self, stats_dir: str, stats: DrafterStats, interval_s: float = 5.0) -> None:
+    def __init__(self, stats_dir: str, stats: DrafterStats, interval_s: float = DEFAULT_STATS_INTERVAL_S) -> None:
         self.interval_s = interval_s
         dp = f"dp{stats.dp_rank}-" if stats.dp_size > 1 else ""
         self.path = Path(stats_dir) / f"drafter-{dp}rank{stats.rank}.json"

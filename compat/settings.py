@@ -13,6 +13,8 @@ ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
 SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "stats_interval_s", "graph_failure")
 DEFAULT_MAX_GRAPH_BATCH = 16
+#: seconds between rewrites of the per-rank stats file while drafting, unless ``stats_interval_s`` says otherwise
+DEFAULT_STATS_INTERVAL_S = 5.0
 METHODS = ("mtp", "deepseek_mtp")
 
 
@@ -23,7 +25,7 @@ class PluginSettings:
     collect_stats: bool = False
     stats_dir: str | None = None
     #: seconds between rewrites of the stats file while serving (0: after every draft call)
-    stats_interval_s: float = 5.0
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     #: None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (resolved where the backend is built)
     graph_failure: str | None = None
     graph: GraphModeConfig = field(default_factory=GraphModeConfig)
@@ -46,7 +48,7 @@ class PluginSettings:
         stats_dir = block.get("stats_dir")
         if stats_dir is not None and (not isinstance(stats_dir, str) or not stats_dir):
             raise ConfigError(f"{where}.stats_dir must be a folder path (string), got {stats_dir!r}")
-        interval = block.get("stats_interval_s", 5.0)
+        interval = block.get("stats_interval_s", DEFAULT_STATS_INTERVAL_S)
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval < math.inf:
             raise ConfigError(f"{where}.stats_interval_s must be a number of seconds >= 0, got {interval!r}")
         policy = block.get("graph_failure")

@@ -186,9 +186,9 @@ def assert_moe_counters_close(ours: dict, theirs: dict, what: str) -> None:
 def run_harness(configs: list[dict], checkpoint: Path, tmp: Path, timeout: int = 1500,
                 runner: str = "v1", processes: int = 1) -> dict[str, dict]:
     """vLLM engine runs of ``ascend_spec_tools/vllm_harness.py`` on ``checkpoint`` (engine core in-process) on
-    vLLM's ``runner`` model runner: name → result. ``processes`` > 1 deals the runs round-robin to that many harness
-    processes running side by side, for runs independent of each other: one harness process keeps about one core
-    busy, and this host kind has two. Fails with the log's tail when a harness does."""
+    vLLM's ``runner`` model runner: name → result. ``processes`` > 1 deals the runs to that many harness processes
+    running side by side (:func:`deal_runs`), for runs independent of each other: one harness process keeps about
+    one core busy, and this host kind has two. Fails with the log's tail when a harness does."""
     groups = deal_runs(configs, processes)
     procs = [_start_harness(group, checkpoint, tmp / f"harness{i}" if processes > 1 else tmp, runner)
              for i, group in enumerate(groups) if group]
