@@ -9,9 +9,21 @@ from typing import Callable
 import torch
 from torch import nn
 
-#: opaque Externals, indexed by the op's ``index`` argument (process-wide, append-only). Weak: an engine torn down
-#: frees its host layers (a process may build several, as the test harness does).
+#: opaque Externals, indexed by the op's ``index`` argument (process-wide). Weak: an engine torn down frees its host
+#: layers, and the next engine's take their slots again, so that it calls the same numbers and loads the graphs
+#: the last one saved (a process may build several engines in turn, as the test harness does).
 _OPAQUE: list[weakref.ref] = []
+
+
+def _claim_slot(module: nn.Module) -> int:
+    """The lowest slot whose External was freed, else a new one."""
+    ref = weakref.ref(module)
+    for index, held in enumerate(_OPAQUE):
+        if held() is None:
+            _OPAQUE[index] = ref
+            return index
+    _OPAQUE.append(ref)
+    return len(_OPAQUE) - 1
 
 
 @torch.library.custom_op("ascend_spec::external", mutates_args=())
@@ -36,8 +48,7 @@ class External(nn.Module):
         self.name = name
         self.index: int | None = None
         if opaque:
-            self.index = len(_OPAQUE)
-            _OPAQUE.append(weakref.ref(self))
+            self.index = _claim_slot(self)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         if self.index is not None:

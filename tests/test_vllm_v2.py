@@ -26,11 +26,12 @@ pytestmark = [
                        reason="vLLM's V2 runner needs Triton (its interpreter runs the kernels on CPU)"),
 ]
 
-#: max_model_len 64 for every run: the preemption runs need it (a 6-block pool must hold one whole request), and
-#: our drafter's graphs are keyed by it, so one K = 2 compile serves the sync, async and preemption runs alike
-RUN = {"prompts": PROMPTS[:4], "max_tokens": [16, 24, 12, 20], "llm": {"max_num_seqs": 4, "max_model_len": 64}}
-GRAPH = {"graph_batch_sizes": [4]}
-#: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes
+#: vLLM's default max_model_len and the V1 modules' buckets: our drafter's graphs are keyed by both, not by the
+#: runner, so the V2 runs load the draft graphs the V1 modules compile (K = 1..3, the MoE checkpoint, TP = 2)
+RUN = {"prompts": PROMPTS[:4], "max_tokens": [16, 24, 12, 20], "llm": {"max_num_seqs": 4}}
+GRAPH = {"graph_batch_sizes": [2, 4]}
+#: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes (a
+#: 6-block pool must hold one whole request: max_model_len 64; its K = 2 graph is compiled once for both runs)
 PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_blocks_override": 6}}
 
 
