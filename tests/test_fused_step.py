@@ -925,8 +925,11 @@ def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str
     """Greedy ``prompt`` with fused steps at ``k_of_step(step index)``: its tokens, the MTP cache entries of every
     verified position (the last token's is written by the step after it), and the run's stats."""
     cfg = dataclasses.replace(inductor_config(k_max), adaptive_k=True)
-    if fused_backend != "eager":  # the one request pads to two rows: no one-row graph for each K to compile
-        cfg = dataclasses.replace(cfg, graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4)))
+    if fused_backend != "eager":
+        # the one request pads to two rows: no one-row graph for each K to compile; ``first``: warm-up compiles
+        # K_max's graphs and a scripted K its own when first asked for (the K values between are never asked)
+        cfg = dataclasses.replace(cfg, warm_graphs="first",
+                                  graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4)))
     if fused_backend == "eager":
         cfg = dataclasses.replace(cfg, graph=GraphModeConfig(enabled=False, backend="eager",
                                                                  graph_batch_sizes=(1, 2, 4)))

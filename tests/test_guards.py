@@ -1,6 +1,8 @@
 """The CPU backend's guard filter: guards on what a call passes are kept, guards on the model and globals go."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -34,8 +36,11 @@ def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, m
     monkeypatch.setattr(inductor, "keep_input_guards", _recording(kept))
     from ascend_spec.graph.weights import load_model
 
-    # test_fused_step's engine: Dynamo traces (and filters) anew; in the suite, inductor's cache has its graphs
-    eng = Engine(load_model(trained_dir), inductor_config(2))
+    # test_fused_step's engine at two-row buckets (no one-row graph): Dynamo traces (and filters) anew; in the
+    # suite, inductor's cache has its graphs
+    cfg = inductor_config(2)
+    eng = Engine(load_model(trained_dir), dataclasses.replace(
+        cfg, graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4))))
     eng.warmup(progress=False)
     assert kept, "no graph compiled through the filter"
     for graph in kept:
