@@ -395,19 +395,25 @@ def run_all(configs: list[dict[str, Any]], checkpoint: str = CHECKPOINT) -> list
     return [run_one(c, checkpoint) for c in configs]
 
 
+def rank_share(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``cfg`` (a data-parallel run) as the one-engine run of rank ``rank``'s prompts (``rank_prompts[rank]``
+    indexes ``prompts``) and their ``max_tokens``."""
+    prompts = cfg.get("prompts") or PROMPTS
+    mine = cfg["rank_prompts"][rank]
+    if not mine:  # vLLM's offline DP hangs a rank given no request, whichever drafter
+        raise ValueError(f"rank_prompts[{rank}] is empty; every data-parallel rank needs at least one prompt")
+    per_prompt = cfg.get("max_tokens", 48)
+    return {**cfg, "prompts": [prompts[i] for i in mine],
+            "max_tokens": [per_prompt[i] for i in mine] if isinstance(per_prompt, list) else per_prompt}
+
+
 def run_dp_rank(cfg: dict[str, Any], checkpoint: str, rank: int, size: int, port: int, barrier: Path,
                 barrier_timeout: float = 600.0) -> dict[str, Any]:
     """This process as data-parallel rank ``rank`` of ``size``: its share of ``cfg``'s prompts, then the barrier."""
     os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
                       VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port), VLLM_ENABLE_V1_MULTIPROCESSING="1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    prompts = cfg.get("prompts") or PROMPTS
-    mine = cfg["rank_prompts"][rank]
-    if not mine:  # vLLM's offline DP hangs a rank given no request, whichever drafter
-        raise ValueError(f"rank_prompts[{rank}] is empty; every data-parallel rank needs at least one prompt")
-    per_prompt = cfg.get("max_tokens", 48)
-    share = {**cfg, "prompts": [prompts[i] for i in mine],
-             "max_tokens": [per_prompt[i] for i in mine] if isinstance(per_prompt, list) else per_prompt}
+    share = rank_share(cfg, rank)
 
     def wait_for_every_rank() -> None:  # an engine torn down early leaves the busy ranks' collectives unpaired
         barrier.mkdir(parents=True, exist_ok=True)
@@ -417,7 +423,7 @@ def run_dp_rank(cfg: dict[str, Any], checkpoint: str, rank: int, size: int, port
             time.sleep(0.2)
 
     result = run_one(share, checkpoint, wait_for_every_rank)
-    result.update(dp_rank=rank, prompt_indices=mine)
+    result.update(dp_rank=rank, prompt_indices=cfg["rank_prompts"][rank])
     return result
 
 

@@ -134,13 +134,17 @@ def moe_ckpts(tmp_path_factory):
             "bundled-moe": moe_from_bundled(root / "bundled-moe")}
 
 
-def inductor_config(k: int) -> EngineConfig:
+#: the buckets of a compiled engine whose subject is not a lone request's one-row graph (a lone request pads to two)
+TWO_ROW_BUCKETS = (2, 4)
+
+
+def inductor_config(k: int, batch_sizes: tuple[int, ...] = (1, 2, 4)) -> EngineConfig:
     """The compiled engine of test_fused_step, test_graph_mode, test_guards and test_aot_graphs: one model,
     max_model_len and KV pool, so that an engine warmed up as an earlier one was (in either test worker) loads its
     graphs from the compile cache instead of compiling them again."""
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     return EngineConfig(max_model_len=128, max_num_seqs=4, speculative=spec,
-                        graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2, 4)), adaptive_k=False)
+                        graph=GraphModeConfig(backend="inductor", graph_batch_sizes=batch_sizes), adaptive_k=False)
 
 
 def generate_without_recompiles(engine, prompts, max_tokens):

@@ -25,7 +25,7 @@ from ascend_spec.k_policy import ACCEPTANCE_WINDOW, LEARN_POSITION_DRAFTS, KPoli
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
-from .conftest import inductor_config
+from .conftest import TWO_ROW_BUCKETS, inductor_config
 from .support import CODE_MAX_TOKENS, CODE_TEXTS
 
 TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
@@ -720,9 +720,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     bucket: a lone request pads to two rows (its own one-row graph: test_lone_request_has_its_own_warm_graph)."""
     from ascend_spec.engine import dynamo_compile_count
 
-    cfg = inductor_config(2)
-    eng = load_engine(trained_dir, dataclasses.replace(cfg, graph=dataclasses.replace(
-        cfg.graph, graph_batch_sizes=(2, 4))), count_host_syncs=True)
+    eng = load_engine(trained_dir, inductor_config(2, TWO_ROW_BUCKETS), count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
               SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
@@ -795,8 +793,8 @@ def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused)
     test_lone_request_has_its_own_warm_graph's)."""
     from ascend_spec.engine import dynamo_compile_count
 
-    cfg = inductor_config(2)
-    cfg = dataclasses.replace(cfg, fused_step=fused, graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4)),
+    cfg = inductor_config(2, TWO_ROW_BUCKETS)
+    cfg = dataclasses.replace(cfg, fused_step=fused,
                               speculative=dataclasses.replace(cfg.speculative, disable_padded_drafter_batch=True))
     eng = load_engine(trained_dir, cfg, count_host_syncs=True)
     eng.warmup(progress=False)
@@ -924,15 +922,13 @@ def _draft_cache_run(model_dir, prompt: list[int], k_of_step, fused_backend: str
                      max_tokens: int = 40):
     """Greedy ``prompt`` with fused steps at ``k_of_step(step index)``: its tokens, the MTP cache entries of every
     verified position (the last token's is written by the step after it), and the run's stats."""
-    cfg = dataclasses.replace(inductor_config(k_max), adaptive_k=True)
-    if fused_backend != "eager":
+    if fused_backend == "eager":
+        cfg = dataclasses.replace(inductor_config(k_max), adaptive_k=True, graph=GraphModeConfig(
+            enabled=False, backend="eager", graph_batch_sizes=(1, 2, 4)))
+    else:
         # the one request pads to two rows: no one-row graph for each K to compile; ``first``: warm-up compiles
         # K_max's graphs and a scripted K its own when first asked for (the K values between are never asked)
-        cfg = dataclasses.replace(cfg, warm_graphs="first",
-                                  graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4)))
-    if fused_backend == "eager":
-        cfg = dataclasses.replace(cfg, graph=GraphModeConfig(enabled=False, backend="eager",
-                                                                 graph_batch_sizes=(1, 2, 4)))
+        cfg = dataclasses.replace(inductor_config(k_max, TWO_ROW_BUCKETS), adaptive_k=True, warm_graphs="first")
     eng = load_engine(model_dir, cfg)
     if fused_backend != "eager":
         eng.warmup(progress=False)

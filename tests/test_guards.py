@@ -1,8 +1,6 @@
 """The CPU backend's guard filter: guards on what a call passes are kept, guards on the model and globals go."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from ascend_spec.graph.backends import get_backend, guards
 from ascend_spec.graph.backends.guards import GLOBAL_STATE_GUARDS, keep_input_guards
 from ascend_spec.graph.backends import inductor
 
-from .conftest import inductor_config
+from .conftest import TWO_ROW_BUCKETS, inductor_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -38,9 +36,7 @@ def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, m
 
     # test_fused_step's engine at two-row buckets (no one-row graph): Dynamo traces (and filters) anew; in the
     # suite, inductor's cache has its graphs
-    cfg = inductor_config(2)
-    eng = Engine(load_model(trained_dir), dataclasses.replace(
-        cfg, graph=dataclasses.replace(cfg.graph, graph_batch_sizes=(2, 4))))
+    eng = Engine(load_model(trained_dir), inductor_config(2, TWO_ROW_BUCKETS))
     eng.warmup(progress=False)
     assert kept, "no graph compiled through the filter"
     for graph in kept:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_spec_tools.vllm_harness import PROMPTS, run_dp
+from ascend_spec_tools.vllm_harness import rank_share, run_dp
 
 from .conftest import SPEC_COUNTERS, run_harness
 
@@ -51,9 +51,8 @@ def _config(who: str, k: int, stats: Path, llm: dict | None = None) -> dict:
 
 def _rank_share(k: int, rank: int) -> dict:
     """vLLM's drafter on rank ``rank``'s prompts at K = ``k``, as a one-engine run (the reference)."""
-    mine = LOADS[k][rank]
-    return {"name": f"vllm_k{k}_rank{rank}", "drafter": "vllm", "k": k, "prompts": [PROMPTS[i] for i in mine],
-            "max_tokens": [MAX_TOKENS[i] for i in mine], "llm": {"max_num_seqs": 4}}
+    cfg = {"drafter": "vllm", "k": k, "rank_prompts": LOADS[k], "max_tokens": MAX_TOKENS, "llm": {"max_num_seqs": 4}}
+    return {**rank_share(cfg, rank), "name": f"vllm_k{k}_rank{rank}"}
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,10 @@ RUN = {"max_tokens": [24, 40, 32, 16, 28, 20], "llm": {"max_num_seqs": 4, "tenso
        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
 
 
-#: K per checkpoint: K = 2 alone. Its chain holds K = 1's pass: a first draft position (whose candidate carries
+#: K = 2 alone, on both checkpoints. Its chain holds K = 1's pass: a first draft position (whose candidate carries
 #: the next position's embedding) and a last one (whose candidate carries none, as K = 1's only pass); K = 1 itself
 #: runs at TP = 1 in test_vllm_plugin and test_vllm_v2
-KS = {"bundled": (2,), "bundled-moe": (2,)}
+KS = (2,)
 
 
 def _configs(stats_dir: Path, ks: tuple[int, ...]) -> list[dict]:
@@ -49,7 +49,7 @@ def tp_runs(request, moe_ckpts, trained_dir, tmp_path_factory):
     ckpt = trained_dir if request.param == "bundled" else moe_ckpts["bundled-moe"]
     tmp = tmp_path_factory.mktemp(f"tp2_{request.param}")
     t0 = time.time()
-    results = run_harness(_configs(tmp / "stats", KS[request.param]), ckpt, tmp, timeout=1800)
+    results = run_harness(_configs(tmp / "stats", KS), ckpt, tmp, timeout=1800)
     for r in results.values():
         assert "error" not in r, f"{request.param} {r['name']}: {r['error']}"
     print(f"\nTP=2 on {request.param}: {len(results)} engines in {time.time() - t0:.0f} s")
@@ -58,7 +58,7 @@ def tp_runs(request, moe_ckpts, trained_dir, tmp_path_factory):
 
 def test_tp2_tokens_and_counters_equal_vllms_mtp(tp_runs):
     name, runs, _, _ = tp_runs
-    for k in KS[name]:
+    for k in KS:
         ours, theirs, ref = runs[f"ours_k{k}"], runs[f"vllm_k{k}"], runs["none"]
         assert theirs["tokens"] == ref["tokens"], f"{name}: vLLM's own MTP differs from no-spec at TP=2, K={k}"
         assert ours["tokens"] == theirs["tokens"], f"{name} K={k}"
@@ -71,7 +71,7 @@ def test_tp2_tokens_and_counters_equal_vllms_mtp(tp_runs):
 
 def test_tp2_both_ranks_drafted_in_graph_mode(tp_runs):
     name, _, stats_dir, log = tp_runs
-    for k, rank in ((k, rank) for k in KS[name] for rank in (0, 1)):
+    for k, rank in ((k, rank) for k in KS for rank in (0, 1)):
         stats = json.loads((stats_dir / f"k{k}" / f"drafter-rank{rank}.json").read_text())
         assert stats["drafter"] == "ascend_spec" and stats["rank"] == rank, stats
         assert stats["graph_calls"] > 0 and stats["fallback_calls"] == 0 and stats["weights_owned_bytes"] == 0, stats
