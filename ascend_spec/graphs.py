@@ -16,6 +16,10 @@ from .graph.buckets import WarmStep, run_warm_steps
 from .graph.model import DeepseekV3ForCausalLM
 
 GRAPH_NAMES = ("fused", "target", "prefill", "draft")
+#: key options the graph functions that read them close over: a graph saved whole carries them in its closure
+#: fingerprint, so the store's key leaves them out, and engines that differ only in them share the graphs that
+#: never read them (the prompt and target graphs)
+CLOSURE_OPTIONS = frozenset({"max_model_len", "disable_padded_drafter_batch"})
 
 
 class CompiledGraphs(Protocol):
@@ -48,12 +52,13 @@ class GraphRegistry:
         #: graphs saved whole where the backend can load them without tracing (CPU inductor)
         self.store: GraphStore | None = None
         if self.compile_cache is not None and device.type == "cpu" and aot_available():
-            self.store = backend.store = GraphStore(self.compile_cache, self.cache_key("graphs"),
+            self.store = backend.store = GraphStore(self.compile_cache, self.cache_key("graphs", CLOSURE_OPTIONS),
                                                     external=module_refs(model))
 
-    def cache_key(self, what: str) -> CacheKey:
+    def cache_key(self, what: str, leave_out: frozenset[str] = frozenset()) -> CacheKey:
+        options = {k: v for k, v in self.key_options.items() if k not in leave_out}
         return graph_cache_key(what, self.model, self.backend, self.device, self.model.lm_head.weight.dtype,
-                               **self.key_options)
+                               **options)
 
     def add(self, name: str, graph: CompiledGraphs) -> Any:
         """Register ``graph`` under ``name`` (one of ``GRAPH_NAMES``); returns it."""

@@ -22,6 +22,7 @@ from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, clo
 from ascend_spec.graph.backends.base import DynamicDims, clone_with_name
 from ascend_spec.graph.backends.compile_cache import CacheKey, CompileCache
 from ascend_spec.graph.backends.inductor import InductorBackend
+from ascend_spec.graph.steps import make_draft_step
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 
@@ -117,6 +118,23 @@ def test_graph_functions_of_other_settings_never_share_a_key() -> None:
     assert fp(step(a, 0, keep_hidden=True)) != fp(step(a, 0, keep_hidden=False))
     assert fp(step(a, 1)) != fp(step(a, 2))
     assert fp(step(a, 2, unpadded=True)) != fp(step(a, 2))
+
+
+def test_only_the_graphs_that_read_max_model_len_or_the_unpadded_layout_are_keyed_by_them(tmp_path, monkeypatch):
+    """The fused step and the draft chain close over max_model_len (the position clamp), the fused step over the
+    unpadded drafter layout too: their fingerprints tell those apart, so the store's key leaves both out and an
+    engine that differs only in them loads the prompt and target graphs another one saved."""
+    fp, a = closure_fingerprint, random_model()
+    for k in (0, 2):
+        assert fp(make_spec_step(a, k, 128, "greedy")) != fp(make_spec_step(a, k, 4400, "greedy"))
+    assert fp(make_draft_step(a, 2, 128)) != fp(make_draft_step(a, 2, 4400))
+    monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path))
+    cfg = inductor_config(2)
+    other = dataclasses.replace(cfg, max_model_len=256, speculative=dataclasses.replace(
+        cfg.speculative, disable_padded_drafter_batch=True))
+    first, second = (Engine(a, c).runner.graphs for c in (cfg, other))
+    assert first.store.base_key == second.store.base_key
+    assert first.cache_key("graphs") != second.cache_key("graphs")  # a whole-warm-up entry (no closures) keeps them
 
 
 def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
