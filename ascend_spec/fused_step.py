@@ -19,7 +19,7 @@ from .sampling import GREEDY, MAX_LOGPROBS, RANDOM, SamplingTensors, top_logprob
 
 SpecStep = Callable[..., tuple[torch.Tensor, ...]]
 #: the fused step's batch arguments (input_ids … exponential) and its block table (argument 3)
-SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(11)), width=(3,), pools_from=11)
+SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(12)), width=(3,), pools_from=12)
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class SpecPhases:
 
 
 #: batch (dim 0) and block-table width (dim 1) arguments of each phase
-PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4), width=(3,), pools_from=5),
+PHASE_DIMS = {"verify": DynamicDims(batch=(0, 1, 2, 3, 4, 5), width=(3,), pools_from=6),
               "accept": DynamicDims(batch=tuple(range(9))),
-              "propose": DynamicDims(batch=tuple(range(8)), width=(6,), pools_from=8)}
+              "propose": DynamicDims(batch=tuple(range(9)), width=(6,), pools_from=9)}
 
 
 def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mode: str,
@@ -59,16 +59,16 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
     n_logprobs = min(MAX_LOGPROBS, vocab)
 
     def verify(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
-               live: torch.Tensor, caches: tuple[LatentCache, ...], seq_lens_host: HostLengths = None
-               ) -> tuple[torch.Tensor, ...]:
+               live: torch.Tensor, max_len: torch.Tensor, caches: tuple[LatentCache, ...],
+               seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, ...]:
         positions = start.view(-1, 1) + torch.arange(q, device=start.device)
-        in_range = positions < max_model_len
+        in_range = positions < max_len.view(-1, 1)
         pos = torch.where(in_range, positions, torch.zeros_like(positions))
         slots = torch.where(in_range & live.view(-1, 1), slots_for(pos, block_table, block_size_of(caches[0])),
                             torch.full_like(pos, -1))
-        seq_lens = torch.where(live, torch.clamp(start + q, max=max_model_len), torch.zeros_like(start))
+        seq_lens = torch.where(live, torch.minimum(start + q, max_len), torch.zeros_like(start))
         # Room for the drafts and the bonus token below max_model_len, as the step-by-step engine allows.
-        nd = torch.minimum(num_draft, (max_model_len - start - 2).clamp(min=0))
+        nd = torch.minimum(num_draft, (max_len - start - 2).clamp(min=0))
         hidden, logits = target(input_ids, pos, slots, block_table, seq_lens, caches, seq_lens_host)
         return pos, slots, seq_lens, nd, hidden, logits
 
@@ -84,7 +84,8 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
 
     def propose(input_ids: torch.Tensor, start: torch.Tensor, sampled: torch.Tensor, pos: torch.Tensor,
                 hidden: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                draft_cache: LatentCache, seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, ...]:
+                max_len: torch.Tensor, draft_cache: LatentCache, seq_lens_host: HostLengths = None
+                ) -> tuple[torch.Tensor, ...]:
         b = input_ids.shape[0]
         if draft is None:
             valid = torch.ones(b, dtype=torch.int32, device=input_ids.device)
@@ -96,7 +97,7 @@ def make_spec_phases(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, m
             input_ids, pos, hidden, slots, seq_lens = spec_decode.compact_rejected(input_ids, pos, hidden, slots,
                                                                                     seq_lens, sample_idx)
         draft_ids = shift_in_next_tokens(input_ids, next_ids, sample_idx)
-        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, draft_cache,
+        drafts, _ = draft(draft_ids, pos, hidden, sample_idx, slots, block_table, seq_lens, max_len, draft_cache,
                           seq_lens_host)
         return valid, torch.cat([next_ids.view(-1, 1).long(), drafts.long()], dim=1), start + valid.long()
 
@@ -111,8 +112,9 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
     ``input_ids [B, 1+k]`` (last token, then the drafts), ``start [B]`` (its position = tokens already cached),
     ``num_draft [B]`` (drafts in ``input_ids`` to verify), ``block_table [B, M]``, ``live [B]``, the sampling
     tensors ``temperature, top_k, top_p, greedy [B]`` and the noise ``uniform [B, k]``, ``exponential [B, V]``
-    (unused in greedy mode), then the target caches and the draft cache, and for attention that reads host KV
-    lengths the verify's ``seq_lens_host`` (``start + 1 + k`` per live row, unclamped; 0 per pad row).
+    (unused in greedy mode), ``max_len [B]`` (each row's ``max_model_len``: data, so one graph serves every
+    context limit), then the target caches and the draft cache, and for attention that reads host KV lengths the
+    verify's ``seq_lens_host`` (``start + 1 + k`` per live row, unclamped; 0 per pad row).
     Returns ``sampled [B, 1+k]`` int32 (-1 placeholders), ``valid [B]`` int32, the next step's
     ``input_ids [B, 1+k]`` and ``start [B]``; with ``logprobs`` also the target's top
     ``min(MAX_LOGPROBS, V)`` ids and logprobs ``[B, 1+k, N]`` and each sampled token's logprob ``[B, 1+k]``;
@@ -125,15 +127,15 @@ def make_spec_step(model: DeepseekV3ForCausalLM, k: int, max_model_len: int, mod
 
     def spec_step(input_ids: torch.Tensor, start: torch.Tensor, num_draft: torch.Tensor, block_table: torch.Tensor,
                   live: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor,
+                  greedy: torch.Tensor, uniform: torch.Tensor, exponential: torch.Tensor, max_len: torch.Tensor,
                   caches: tuple[LatentCache, ...], draft_cache: LatentCache, seq_lens_host: HostLengths = None
                   ) -> tuple[torch.Tensor, ...]:
         pos, slots, seq_lens, nd, hidden, logits = phases.verify(input_ids, start, num_draft, block_table, live,
-                                                                 caches, seq_lens_host)
+                                                                 max_len, caches, seq_lens_host)
         sampled, *extra = phases.accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform,
                                         exponential)
         valid, next_input, next_start = phases.propose(input_ids, start, sampled, pos, hidden, slots, block_table,
-                                                       seq_lens, draft_cache, seq_lens_host)
+                                                       seq_lens, max_len, draft_cache, seq_lens_host)
         return (sampled, valid, next_input, next_start, *extra) + ((hidden[:, 0],) if keep else ())
 
     return spec_step

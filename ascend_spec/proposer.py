@@ -11,7 +11,7 @@ from . import spec_decode
 from .config import SpeculativeConfig
 from .graph.latent_cache import LatentCache, block_size_of, cache_tensors, num_blocks_for
 from .graph.model import DeepseekV3ForCausalLM
-from .graph.steps import make_draft_step
+from .graph.steps import RowLimits, make_draft_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,8 @@ class MtpProposer:
         self.spec = spec
         self.num_speculative_tokens = spec.num_speculative_tokens
         self.max_model_len = max_model_len
+        #: the draft chain's ``max_len`` input, per row count
+        self.row_limits = RowLimits(max_model_len)
         self.draft_cache = draft_cache
         self.model: DeepseekV3ForCausalLM | None = None
         self.load_model(model)
@@ -84,7 +86,7 @@ class MtpProposer:
         per_req = torch.zeros(num_reqs, dtype=torch.long, device=dev)
         hidden = torch.zeros(num_reqs, q, self.model.cfg.hidden_size, dtype=like.dtype, device=dev)
         table = torch.zeros(num_reqs, width or self.table_width, dtype=torch.long, device=dev)
-        return [ids, ids, hidden, per_req, torch.full_like(ids, -1), table, per_req]
+        return [ids, ids, hidden, per_req, torch.full_like(ids, -1), table, per_req, self.row_limits(num_reqs, dev)]
 
     # -- padded bookkeeping (vLLM's names; no host syncs) ---------------------------------------
     def prepare_next_token_ids_padded(self, sampled_token_ids: torch.Tensor, discard_request_mask: torch.Tensor,
@@ -127,17 +129,17 @@ class MtpProposer:
                              "KV lengths from the host: allowed, one int per request (seq_lens on the host)")
         return inputs.seq_lens_host
 
-    @staticmethod
-    def _draft_args(inputs: DraftInputs) -> list[torch.Tensor]:
+    def _draft_args(self, inputs: DraftInputs) -> list[torch.Tensor]:
         input_ids = shift_in_next_tokens(inputs.target_token_ids, inputs.next_token_ids,
                                          inputs.token_indices_to_sample)
+        limits = self.row_limits(input_ids.shape[0], input_ids.device)
         return [input_ids, inputs.target_positions, inputs.target_hidden_states, inputs.token_indices_to_sample,
-                inputs.target_slot_mapping, inputs.block_table, inputs.seq_lens]
+                inputs.target_slot_mapping, inputs.block_table, inputs.seq_lens, limits]
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                   seq_lens: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
+                   seq_lens: torch.Tensor, max_len: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return self._draft_fn(input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens,
-                                  self.draft_cache, seq_lens_host)
+                                  max_len, self.draft_cache, seq_lens_host)

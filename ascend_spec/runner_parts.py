@@ -13,6 +13,7 @@ from .config import EngineConfig, SpeculativeConfig
 from .fused_step import SpecStepGraphs, StepKey
 from .graph.backends import Backend, ShapePolicy
 from .graph.buckets import BucketedGraph
+from .graph.steps import RowLimits
 from .graphs import GraphRegistry
 from .inputs import DeviceBatch, inert_batch, table_width
 from .kv_cache import KVCaches
@@ -44,6 +45,11 @@ class RunnerParts:
     count_host_syncs: bool = False
     #: greedy replays' placeholder noise, one per (rows, K): the graph takes inputs it does not read
     _unused_noise: dict[tuple[int, int], spec_decode.RejectionNoise] = field(default_factory=dict, repr=False)
+    #: the fused step's ``max_len`` input, per row count
+    row_limits: RowLimits = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.row_limits = RowLimits(self.cfg.max_model_len)
 
     @property
     def spec(self) -> SpeculativeConfig | None:
@@ -90,7 +96,7 @@ class RunnerParts:
         # contiguous: a narrower view of the table would make the graph guard on its strides
         return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
                      batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
-                     self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
+                     self.row_limits(batch.rows, self.device), self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
 
     def replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None = None
                ) -> tuple[torch.Tensor, ...]:

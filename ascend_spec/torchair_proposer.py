@@ -18,7 +18,7 @@ from .sync_counter import suspended_if_compiled
 DRAFT_BATCH_ARGS = (BatchArg("input_ids", 0, query=True), BatchArg("positions", 0, query=True),
                     BatchArg("hidden", 0.0, query=True), BatchArg("sample_idx", 0),
                     BatchArg("slot_mapping", -1, query=True), BatchArg("block_table", 0, width=True),
-                    BatchArg("seq_lens", 0))
+                    BatchArg("seq_lens", 0), BatchArg("max_len", 0))
 
 
 class MtpTorchairProposer(MtpProposer):
@@ -72,9 +72,9 @@ class MtpTorchairProposer(MtpProposer):
 
     def _run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                    sample_idx: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                   seq_lens: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
+                   seq_lens: torch.Tensor, max_len: torch.Tensor, seq_lens_host: tuple[int, ...] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        args = [input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens]
+        args = [input_ids, positions, hidden, sample_idx, slot_mapping, block_table, seq_lens, max_len]
         if self.graph.query_for(input_ids.shape[1]) is None:
             # Wider than every graph (a long prompt chunk): the eager reference.
             return super()._run_draft(*args, seq_lens_host=seq_lens_host)

@@ -254,8 +254,8 @@ class DraftCoreMixin:
                               vllm=installed_vllm_version(), quantization=model_cfg.quantization or "",
                               absorb=attn.uk_proj.name if attn.uk_proj is not None else "views",
                               tp=[self.ascend_stats.rank, self._ascend_tp], block_size=self._draft_block_size(),
-                              kv_layout=self._ascend_kv_layout, max_model_len=self.max_model_len,
-                              batch_sizes=list(sizes), opaque_externals=opaque_indices(self._ascend_model))
+                              kv_layout=self._ascend_kv_layout, batch_sizes=list(sizes),
+                              opaque_externals=opaque_indices(self._ascend_model))
         return GraphStore(cache, key, external=module_refs(self._ascend_model))
 
     def _bind_cache(self) -> None:

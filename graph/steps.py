@@ -15,17 +15,33 @@ TargetStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-__all__ = ["draft_lens_host", "make_draft_step", "make_prefill_step", "make_target_step", "slots_for"]
+__all__ = ["RowLimits", "draft_lens_host", "make_draft_step", "make_prefill_step", "make_target_step", "slots_for"]
 
 
 HostLengths = tuple[int, ...] | None
 
 
-def draft_lens_host(seq_lens_host: HostLengths, step: int, max_model_len: int) -> HostLengths:
+class RowLimits:
+    """The ``max_len [B]`` input of the draft chain and the fused step: each row's ``max_model_len``. One tensor per
+    row count and device, made once and never written, so a replay passes it without a host copy."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self._made: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def __call__(self, rows: int, device: torch.device) -> torch.Tensor:
+        made = self._made.get((rows, device))
+        if made is None:
+            made = self._made[(rows, device)] = torch.full((rows,), self.max_model_len, dtype=torch.long,
+                                                           device=device)
+        return made
+
+
+def draft_lens_host(seq_lens_host: HostLengths, step: int, max_model_len: int | None) -> HostLengths:
     """Host KV lengths of draft step ``step + 1`` (``step`` ≥ 1): the first step's plus ``step``, at most
     ``max_model_len``, pad rows 0. An upper bound: the exact length follows acceptance, known only on the device
     (see :func:`.mla_kernels.npu_mla`)."""
-    if seq_lens_host is None:
+    if seq_lens_host is None or max_model_len is None:
         return None
     return tuple(_at_most(n + step, max_model_len) * _positive(n) for n in seq_lens_host)
 
@@ -87,13 +103,17 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
     written at ``sample_idx`` (the last accepted position of each row), the target's ``hidden`` states, its
     positions and slots (the draft cache shares the target's block table). Steps 2..K feed back the previous
     draft token (and its embedding, where a vocabulary-parallel host head gathered it with the token) and MTP
-    hidden state one position later, at slots of the draft cache's own block size; positions past ``max_model_len`` clamp to 0 and
-    write nothing (slot -1), and pad rows (``seq_lens == 0``) never write.
+    hidden state one position later, at slots of the draft cache's own block size; positions at or past
+    ``max_len`` (each row's ``max_model_len``, an input: one graph serves every context limit) clamp to 0 and
+    write nothing (slot -1), and pad rows (``seq_lens == 0``) never write. ``max_model_len`` bounds the host KV
+    lengths of kernels that read them, and only theirs (closed over only where the model takes host lengths).
     """
+    host_cap = max_model_len if model.takes_host_lengths else None
 
     def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
                    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                   cache: LatentCache, seq_lens_host: HostLengths = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_len: torch.Tensor, cache: LatentCache, seq_lens_host: HostLengths = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         block_size = block_size_of(cache)
         h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
@@ -105,7 +125,7 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
         live = seq_lens > 0
         for step in range(1, num_speculative_tokens):
             pos = pos + 1
-            exceeds = pos >= max_model_len
+            exceeds = pos >= max_len
             clamped = torch.where(exceeds, torch.zeros_like(pos), pos)
             writable = live & ~exceeds
             slot = torch.where(writable, slots_for(clamped.view(-1, 1), block_table, block_size).view(-1),
@@ -116,7 +136,7 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             # tensor-length op runs in GE graphs only, and reading the lengths back would be a host sync.
             on_device = model.exact_draft_lengths and seq_lens_host is not None and torch.compiler.is_compiling()
             step_inp = PagedInputs(clamped.view(-1, 1), slot.view(-1, 1), block_table, step_seq_lens,
-                                   None if on_device else draft_lens_host(seq_lens_host, step, max_model_len),
+                                   None if on_device else draft_lens_host(seq_lens_host, step, host_cap),
                                    kv_lens_on_device=on_device)
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
             h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,

@@ -853,7 +853,7 @@ def test_step_time_account_adds_up_and_observer_sees_every_step(trained_dir, pro
     seen = []
     eng.runner.step_observer = lambda key, args: seen.append((key.k, len(args), args[0].shape[1]))
     _, stats, _ = eng.generate(prompts, SamplingParams(), MAX_TOKENS)
-    assert len(seen) == stats.num_steps and set(seen) == {(2, 13, 3)}
+    assert len(seen) == stats.num_steps and set(seen) == {(2, 14, 3)}
     assert stats.graph_seconds > 0 and stats.host_seconds > 0 and stats.prefill_seconds > 0
     assert stats.graph_seconds + stats.host_seconds + stats.prefill_seconds < stats.decode_seconds
     assert 1 <= stats.batch_rebuilds < stats.num_steps  # rebuilt when the batch changes, not every step

@@ -82,7 +82,7 @@ def test_first_draft_matches_dense_mtp():
         hidden, _ = make_target_step(model)(ids[:, :n], pos, slots, bt, torch.tensor([n]), caches)
         draft_in = torch.cat([ids[:, 1:n], ids[:, n:n + 1]], 1)
         _, logits = make_draft_step(model, 2, 64)(draft_in, pos, hidden, torch.tensor([n - 1]), slots, bt,
-                                                  torch.tensor([n]), torch.zeros(4, 16, 576))
+                                                  torch.tensor([n]), torch.tensor([64]), torch.zeros(4, 16, 576))
     torch.testing.assert_close(logits[0, 0], mtp_logits[0, n - 1], atol=1e-4, rtol=1e-4)
 
 
@@ -115,7 +115,8 @@ def test_draft_chain_writes_only_its_own_slots():
     cache = torch.randn(6, block, 576)
     before = cache.clone()
     with torch.no_grad():
-        make_draft_step(model, k, 64)(ids, pos, hidden, sample_idx, slots, table, seq_lens, cache)
+        make_draft_step(model, k, 64)(ids, pos, hidden, sample_idx, slots, table, seq_lens,
+                                      torch.full_like(seq_lens, 64), cache)
     written = set((cache != before).any(-1).flatten().nonzero().flatten().tolist())
     chained = {slot(0, 15 + j) for j in range(1, k)} | {slot(1, 7 + j) for j in range(1, k)}
     assert written == set(slots[:2].flatten().tolist()) | chained, (sorted(written), sorted(chained))

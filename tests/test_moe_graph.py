@@ -51,7 +51,7 @@ def test_first_draft_matches_dense_mtp(moe_ckpts):
         hidden, _ = make_target_step(model)(ids[:, :n], pos, slots, bt, torch.tensor([n]), caches)
         draft_in = torch.cat([ids[:, 1:n], ids[:, n:n + 1]], 1)
         _, logits = make_draft_step(model, 2, 256)(draft_in, pos, hidden, torch.tensor([n - 1]), slots, bt,
-                                                   torch.tensor([n]), torch.zeros(4, 16, 576))
+                                                   torch.tensor([n]), torch.tensor([256]), torch.zeros(4, 16, 576))
     torch.testing.assert_close(logits[0, 0], ref[0, n - 1], atol=1e-4, rtol=1e-4)
 
 
@@ -114,7 +114,7 @@ def test_weight_left_moe_draft_chain_compiles_right(moe_ckpts):
     table = torch.arange(b * 4).view(b, 4) + 1
     pos = 30 + torch.arange(q).expand(b, q).clone()
     args = (torch.randint(1, cfg.vocab_size, (b, q)), pos, torch.randn(b, q, cfg.hidden_size),
-            torch.tensor([0, 1, 2, 1]), slots_for(pos, table, 16), table, pos[:, -1] + 1)
+            torch.tensor([0, 1, 2, 1]), slots_for(pos, table, 16), table, pos[:, -1] + 1, torch.full((b,), 256))
     fn = make_draft_step(model, 2, 256)
     with torch.no_grad():
         _, eager = fn(*args, cache.clone())

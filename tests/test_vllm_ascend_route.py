@@ -423,7 +423,7 @@ def test_our_proposer_drafts_on_vllm_ascends_nope_rope_cache(release, trained_di
     assert isinstance(d._ascend, torchair_proposer.MtpTorchairProposer)
     warmed = dict(backend.recorded)
     # every key warmed on the pair, with the table width a live step passes: max_model_len 64 in blocks of 128
-    assert warmed and all(shapes[5][1] == 1 and shapes[7:] == ((num_blocks, block, cfg.kv_lora_rank),
+    assert warmed and all(shapes[5][1] == 1 and shapes[8:] == ((num_blocks, block, cfg.kv_lora_rank),
                                                                 (num_blocks, block, cfg.qk_rope_head_dim))
                           for shapes in warmed.values()), warmed
     seen = []

@@ -236,15 +236,16 @@ class PhaseProbe:
     def _time_phases(self, key: StepKey, args: tuple) -> None:
         verify, accept, propose = self.phases(key.k)
         (input_ids, start, num_draft, table, live, temperature, top_k, top_p, greedy, uniform, exponential,
-         caches, draft_cache) = args
+         max_len, caches, draft_cache) = args
         with torch.no_grad():
             for warm in (True, False):  # the first call of a new shape may compile
                 t0 = time.perf_counter()
-                pos, slots, seq_lens, nd, hidden, logits = verify(input_ids, start, num_draft, table, live, caches)
+                pos, slots, seq_lens, nd, hidden, logits = verify(input_ids, start, num_draft, table, live, max_len,
+                                                                caches)
                 t1 = time.perf_counter()
                 sampled, *_ = accept(input_ids, nd, logits, temperature, top_k, top_p, greedy, uniform, exponential)
                 t2 = time.perf_counter()
-                propose(input_ids, start, sampled, pos, hidden, slots, table, seq_lens, draft_cache)
+                propose(input_ids, start, sampled, pos, hidden, slots, table, seq_lens, max_len, draft_cache)
                 t3 = time.perf_counter()
         for name, t in (("verify", t1 - t0), ("accept", t2 - t1), ("draft", t3 - t2)):
             self.seconds[name].append(t)

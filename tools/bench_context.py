@@ -66,7 +66,7 @@ def step_inputs(eng: Engine, batch: int, context: int, width: int) -> tuple[list
     hidden = torch.randn(batch, q, eng.model.cfg.hidden_size, generator=g)
     sample_idx = torch.full((batch,), k)
     target = [ids, positions, slots, table, seq_lens]
-    draft = [ids, positions, hidden, sample_idx, slots, table, seq_lens]
+    draft = [ids, positions, hidden, sample_idx, slots, table, seq_lens, eng.proposer.row_limits(batch, ids.device)]
     return target, draft
 
 

@@ -1,5 +1,5 @@
 """Which of Dynamo's guards a compiled step keeps: those on what changes between calls, not on what never does.
-A graph key already fixes the model, K, the sampling mode and ``max_model_len``, so guards on them only cost time.
+A graph key already fixes the model, K and the sampling mode, so guards on them only cost time.
 """
 from __future__ import annotations
 
