@@ -18,8 +18,8 @@ from .graph.model import DeepseekV3ForCausalLM
 GRAPH_NAMES = ("fused", "target", "prefill", "draft")
 #: key options the graph functions that read them close over: a graph saved whole carries them in its closure
 #: fingerprint, so the store's key leaves them out, and engines that differ only in them share the graphs that
-#: never read them (the prompt and target graphs)
-CLOSURE_OPTIONS = frozenset({"max_model_len", "disable_padded_drafter_batch"})
+#: never read them (the unpadded drafter layout: all but the fused step)
+CLOSURE_OPTIONS = frozenset({"disable_padded_drafter_batch"})
 
 
 class CompiledGraphs(Protocol):

@@ -67,7 +67,7 @@ class ModelRunner:
         self.graphs = GraphRegistry(model, self.backend, device, key_options={
             "shapes": dataclasses.asdict(self.shapes),
             "compile_regions": getattr(self.backend, "compile_regions", False),
-            "max_model_len": cfg.max_model_len, "block_size": cfg.block_size, "kv_layout": cfg.kv_layout,
+            "block_size": cfg.block_size, "kv_layout": cfg.kv_layout,
             # one dynamic-batch graph serves any bucket list
             "batch_sizes": None if self.shapes.dynamic_batch else self.batch_sizes,
             "disable_padded_drafter_batch": unpadded})

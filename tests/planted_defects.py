@@ -75,6 +75,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``ge_draft_host_lengths``: GE mode's default draft KV lengths resolve to the host's upper bound. Fails
   ``test_draft_kv_lengths.py::test_exact_device_lengths_draft_what_the_reference_drafts`` (acceptance per
   position unlike the reference kernel's).
+- ``row_limit_off``: the ``max_len`` input the draft chain and the fused step read is ``max_model_len + 16``, as a
+  graph compiled for one context limit would run at another if it closed over its limit. Fails
+  ``test_fused_step.py::test_fused_near_max_model_len`` (a write past the limit reaches past the block table).
 """
 from __future__ import annotations
 
@@ -172,6 +175,14 @@ def draft_wrong_slot() -> None:
     original = steps.slots_for
     # the defect: the draft chain's (and only its: other modules bound their own name) slots are one early
     steps.slots_for = lambda positions, block_table, block_size: original(positions, block_table, block_size) - 1
+
+
+@_plant
+def row_limit_off() -> None:
+    from ascend_spec.graph.steps import RowLimits
+
+    made = RowLimits.__call__
+    RowLimits.__call__ = lambda self, rows, device: made(self, rows, device) + 16
 
 
 @_plant

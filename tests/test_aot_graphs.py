@@ -122,9 +122,9 @@ def test_graph_functions_of_other_settings_never_share_a_key() -> None:
 
 def test_max_model_len_keys_no_graph_and_the_unpadded_layout_only_the_fused_step(tmp_path, monkeypatch):
     """max_model_len is data (the ``max_len`` input): no graph closes over it where attention reads no host
-    lengths. The fused step closes over the unpadded drafter layout. The store's key leaves both to the
-    fingerprints, so an engine at another max_model_len loads every graph another one saved, and one with the
-    unpadded layout its prompt, target and draft graphs."""
+    lengths, and no key holds it, so an engine at another max_model_len loads every graph another one saved. The
+    fused step closes over the unpadded drafter layout: the store's key leaves that to the fingerprints, so an
+    engine with the unpadded layout loads the prompt, target and draft graphs of a padded one."""
     fp, a = closure_fingerprint, random_model()
     for k in (0, 2):
         assert fp(make_spec_step(a, k, 128, "greedy")) == fp(make_spec_step(a, k, 4400, "greedy"))
@@ -135,7 +135,7 @@ def test_max_model_len_keys_no_graph_and_the_unpadded_layout_only_the_fused_step
         cfg.speculative, disable_padded_drafter_batch=True))
     first, second = (Engine(a, c).runner.graphs for c in (cfg, other))
     assert first.store.base_key == second.store.base_key
-    assert first.cache_key("graphs") != second.cache_key("graphs")  # a whole-warm-up entry (no closures) keeps them
+    assert first.cache_key("graphs") != second.cache_key("graphs")  # a whole-warm-up entry (no closures) keeps it
 
 
 def test_a_graph_saved_in_one_process_loads_in_another(tmp_path: Path) -> None:
