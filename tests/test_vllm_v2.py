@@ -26,12 +26,12 @@ pytestmark = [
                        reason="vLLM's V2 runner needs Triton (its interpreter runs the kernels on CPU)"),
 ]
 
-#: vLLM's default max_model_len and the V1 modules' buckets: our drafter's graphs are keyed by both, not by the
-#: runner, so the V2 runs load the draft graphs the V1 modules compile (K = 1..3, the MoE checkpoint, TP = 2)
+#: the V1 modules' buckets: our drafter's graphs are keyed by them, not by the runner nor max_model_len (an input),
+#: so the V2 runs load the draft graphs the V1 modules compile (K = 1..3, the MoE checkpoint, TP = 2)
 RUN = {"prompts": PROMPTS[:4], "max_tokens": [16, 24, 12, 20], "llm": {"max_num_seqs": 4}}
 GRAPH = {"graph_batch_sizes": [2, 4]}
 #: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes (a
-#: 6-block pool must hold one whole request: max_model_len 64; its K = 2 graph is compiled once for both runs)
+#: 6-block pool must hold one whole request: max_model_len 64; they load RUN's K = 2 graph)
 PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_blocks_override": 6}}
 
 
