@@ -18,7 +18,7 @@ from .proposer import shift_in_next_tokens
 from .sampling import GREEDY, MAX_LOGPROBS, RANDOM, SamplingTensors, top_logprobs
 
 SpecStep = Callable[..., tuple[torch.Tensor, ...]]
-#: the fused step's batch arguments (input_ids … exponential) and its block table (argument 3)
+#: the fused step's batch arguments (input_ids … max_len) and its block table (argument 3)
 SPEC_STEP_DIMS = DynamicDims(batch=tuple(range(12)), width=(3,), pools_from=12)
 
 

@@ -94,9 +94,10 @@ class RunnerParts:
         lens_host = self.host_lengths(running[i].num_tokens + batch.k if i < len(running) else 0
                                       for i in range(batch.rows))
         # contiguous: a narrower view of the table would make the graph guard on its strides
-        return key, (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
-                     batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
-                     self.row_limits(batch.rows, self.device), self.caches.target, self.caches.draft) + ((lens_host,) if lens_host is not None else ())
+        args = (batch.input_ids, batch.start, batch.num_draft, batch.block_table[:, :width].contiguous(),
+                batch.live, st.temperature, st.top_k, st.top_p, st.greedy, noise.uniform, noise.exponential,
+                self.row_limits(batch.rows, self.device), self.caches.target, self.caches.draft)
+        return key, args + ((lens_host,) if lens_host is not None else ())
 
     def replay(self, batch: DeviceBatch, width: int, noise: spec_decode.RejectionNoise | None = None
                ) -> tuple[torch.Tensor, ...]:
