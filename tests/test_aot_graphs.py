@@ -3,6 +3,7 @@ replays the same tokens, reads the weights of the model it serves, and a bad ent
 compiles instead of crashing or running the wrong graph."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -243,7 +244,8 @@ def test_a_corrupt_graph_entry_warns_is_removed_and_compiles(warm_store, trained
     root = tmp_path / "store"
     root.mkdir()
     for e in CompileCache(shared).entries():
-        shutil.copy(e.path, root / e.path.name)
+        with contextlib.suppress(FileNotFoundError):  # replaced meanwhile by the other worker's engine
+            shutil.copy(e.path, root / e.path.name)
     corrupted = [e.path for e in CompileCache(root).entries() if e.what == "graph.spec_k2_greedy"]
     for path in corrupted:
         blob = bytearray(path.read_bytes())
