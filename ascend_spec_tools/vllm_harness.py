@@ -334,6 +334,11 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
     n_live = len(drafter_mod.LIVE)
     llm = None
+    # vLLM collects the whole heap several times while an engine starts (weight loading, memory profiling): what
+    # this process already holds (imports, earlier runs' compiled graphs) is frozen out of those scans, as vLLM
+    # freezes its own heap once started; cheap when the last run left it frozen
+    gc.collect()
+    gc.freeze()
     t0 = time.perf_counter()
     try:
         llm = LLM(**kw)
@@ -384,6 +389,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
         if before_teardown is not None:
             before_teardown()
         del llm
+        gc.unfreeze()  # whether or not the engine's shutdown did: nothing stays frozen past the run
         gc.collect()
     return result
 
