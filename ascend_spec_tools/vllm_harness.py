@@ -336,8 +336,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     llm = None
     # vLLM collects the whole heap several times while an engine starts (weight loading, memory profiling): what
     # this process already holds (imports, earlier runs' compiled graphs) is frozen out of those scans, as vLLM
-    # freezes its own heap once started; cheap when the last run left it frozen
-    gc.collect()
+    # freezes its own heap once started. No collection first: the last run ended with one, and whatever is frozen
+    # is thawed and collected when this run ends.
     gc.freeze()
     t0 = time.perf_counter()
     try:
