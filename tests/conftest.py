@@ -60,6 +60,28 @@ def pytest_runtest_protocol(item, nextitem):
                             "wall": round(time.monotonic() - t0, 2)}) + "\n")
 
 
+def matrix(*values, **kwargs):
+    """A parameter set of the second tier (``make test-matrix``): a repeat of a subject that ``make test`` covers
+    with another of its parameters (another K, sampling mode, checkpoint or runner). docs/test-suite.md names, for
+    each, the test of ``make test`` that covers its subject."""
+    return pytest.param(*values, marks=pytest.mark.matrix, **kwargs)
+
+
+def matrix_selected(request) -> bool:
+    """Whether this session runs a test of the second tier in the module asking (``request`` of a module fixture):
+    its fixtures then run the engines those tests read as well. ``make test`` deselects every ``matrix`` test, so
+    its engines are not run there; a plain ``pytest tests/test_x.py`` runs both tiers."""
+    return any(item.get_closest_marker("matrix") is not None and item.path == request.path
+               for item in request.session.items)
+
+
+def for_tier(request, configs: list[dict]) -> list[dict]:
+    """The engine configurations this session's tests of the module read: those tagged ``"matrix": True`` only
+    where a ``matrix`` test of the module runs (:func:`matrix_selected`); the tag itself is dropped."""
+    with_matrix = matrix_selected(request)
+    return [{k: v for k, v in c.items() if k != "matrix"} for c in configs if with_matrix or not c.get("matrix")]
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order

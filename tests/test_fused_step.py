@@ -25,7 +25,7 @@ from ascend_spec.k_policy import ACCEPTANCE_WINDOW, LEARN_POSITION_DRAFTS, KPoli
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
-from .conftest import TWO_ROW_BUCKETS, inductor_config
+from .conftest import TWO_ROW_BUCKETS, inductor_config, matrix
 from .support import CODE_MAX_TOKENS, CODE_TEXTS
 
 TEXTS, MAX_TOKENS = CODE_TEXTS, CODE_MAX_TOKENS
@@ -62,8 +62,8 @@ def prompts(trained_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 1, 3])
-@pytest.mark.parametrize("sampling", ["greedy", "mixed"])
+@pytest.mark.parametrize("k, sampling", [(0, "greedy"), (3, "mixed"), matrix(0, "mixed"), matrix(1, "greedy"),
+                                         matrix(1, "mixed"), matrix(3, "greedy")])
 def test_fused_equals_step_by_step(trained_dir, prompts, k, sampling):
     """Greedy and seeded random sampling (mixed batches too): the same tokens and acceptance counts, token for
     token, with 5 requests over 4 slots so the batch changes composition and bucket mid-run."""
@@ -713,23 +713,27 @@ def test_live_blocks_cover_the_longest_request():
 
 
 @pytest.mark.slow
-def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
+@pytest.mark.parametrize("random_logprobs", [False, matrix(True)], ids=["three_modes", "four_modes"])
+def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts, random_logprobs):
     """inductor: one fused graph per (K, sampling mode, logprobs) — no batch bucket, no context width in the
     key. Warm-up compiles what the requests need; the run (batches 1..4, contexts from the prompt to
     max_model_len, greedy, seeded random and logprobs rows) compiles nothing and makes no host sync. No one-row
-    bucket: a lone request pads to two rows (its own one-row graph: test_lone_request_has_its_own_warm_graph)."""
+    bucket: a lone request pads to two rows (its own one-row graph: test_lone_request_has_its_own_warm_graph).
+    Random rows with logprobs, the fourth mode, cross two the others hold: make test-matrix's. Over 90 s: it
+    compiles three fused graphs, the prompt graph and the draft chain, the engine's whole set at one K."""
     from ascend_spec.engine import dynamo_compile_count
 
     eng = load_engine(trained_dir, inductor_config(2, TWO_ROW_BUCKETS), count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
-              SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
+              SamplingParams(), SamplingParams(temperature=1.0, logprobs=1 if random_logprobs else None)]
+    modes = {("greedy", False), ("random", False), ("greedy", True)} | ({("random", True)} if random_logprobs
+                                                                        else set())
     report = eng.warmup_for(params)
-    # four fused graphs (greedy, random, greedy + logprobs, random + logprobs), the prompt graph and the draft
-    # chain the prompts' drafts replay
-    assert report.graphs_compiled == 6
-    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * 4
-    assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (2, 4)
-                                            for m in ("greedy", "random") for lp in (False, True)}
+    # a fused graph per mode (greedy, random, greedy + logprobs[, random + logprobs]), the prompt graph and the
+    # draft chain the prompts' drafts replay
+    assert report.graphs_compiled == 2 + len(modes)
+    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * len(modes)
+    assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (2, 4) for m, lp in modes}
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
@@ -809,7 +813,7 @@ def test_unpadded_drafter_batch_replays_warm_graphs(trained_dir, prompts, fused)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k", [matrix(0), 2])
 def test_lone_request_has_its_own_warm_graph(trained_dir, prompts, k):
     """Inductor: a lone request runs through a one-row graph at any K (padded to two rows, a K = 2 step verified
     and drafted twice the tokens), warmed with the dynamic-batch one (and the prompt graphs); a batch draining

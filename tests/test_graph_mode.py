@@ -15,7 +15,8 @@ from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import generate_without_recompiles, inductor_config, npu_available, prefill_inputs, record_draft_calls
+from .conftest import (generate_without_recompiles, inductor_config, matrix, npu_available, prefill_inputs,
+                       record_draft_calls)
 
 SIZES = (1, 2, 4)
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
@@ -31,7 +32,7 @@ def test_public_methods_keep_base_signatures():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [matrix(1), 2, matrix(3)])  # K = 2 drafts a first pass and a last one, as every K
 def test_inductor_draft_parity_every_bucket(trained_dir, k):
     tok = TextTokenizer(trained_dir)
     model, calls = record_draft_calls(trained_dir, k, [tok.encode(t) for t in TEXTS])

@@ -11,7 +11,7 @@ from ascend_spec.graph.steps import make_draft_step, make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 
-from .conftest import generate_without_recompiles
+from .conftest import generate_without_recompiles, matrix
 
 #: every test here builds compiled engines or graphs (make test-fast leaves them out)
 pytestmark = pytest.mark.slow
@@ -61,7 +61,7 @@ def no_spec_reference(moe_ckpts):
     return [o.token_ids for o in eng.generate(_prompts(6), SamplingParams(), [20, 33, 7, 41, 28, 16])[0]]
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [matrix(1), 2])
 def test_greedy_spec_equals_no_spec_and_is_sync_free(moe_ckpts, no_spec_reference, k):
     eng = _engine(moe_ckpts[PRESET], k, "eager", count_host_syncs=True)
     outs, stats, metrics = eng.generate(_prompts(6), SamplingParams(), [20, 33, 7, 41, 28, 16])

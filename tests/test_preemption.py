@@ -14,6 +14,8 @@ from ascend_spec.scheduler import Scheduler
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
+from .conftest import matrix
+
 TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self",
          "for i in range(10):\n", "with open(path) as f:\n", "raise ValueError(", "@property\ndef name(self):\n"]
 MAX_MODEL_LEN = 128
@@ -40,8 +42,8 @@ def _run(trained_dir, prompts, k, kv_blocks, logprobs=None):
 # logprobs take the step-by-step path; without them a step is the fused graph over device-side state, whose
 # block table must follow the sequences' new blocks
 @pytest.mark.slow
-@pytest.mark.parametrize("logprobs", [None, 1], ids=["fused", "stepwise"])
-@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("k, logprobs", [pytest.param(0, None, id="0-fused"), matrix(0, 1, id="0-stepwise"),
+                                         pytest.param(2, None, id="2-fused"), pytest.param(2, 1, id="2-stepwise")])
 def test_small_pool_preempts_and_keeps_greedy_tokens(trained_dir, prompts, k, logprobs):
     reference, ref_stats = _run(trained_dir, prompts, 0, None)
     assert ref_stats.preemptions == 0

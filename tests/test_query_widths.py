@@ -17,7 +17,7 @@ from ascend_spec.graph.weights import load_model
 from ascend_spec.proposer import MtpProposer
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
-from .conftest import prefill_inputs
+from .conftest import matrix, prefill_inputs
 
 
 def test_query_pads_to_the_next_width_one_key_each():
@@ -40,7 +40,7 @@ def test_query_pads_to_the_next_width_one_key_each():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [matrix(1), 2])
 def test_prefill_chunks_replay_padded_graphs_and_draft_as_the_reference(trained_dir, k):
     """Ragged prompt chunks of every width up to the widest: each replays the (bucket, width) graph warm-up made,
     drafts equal the unpadded eager reference's, logits and cache writes equal up to rounding; wider chunks run eagerly."""

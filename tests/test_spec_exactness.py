@@ -12,6 +12,8 @@ from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
+from .conftest import matrix
+
 EAGER = GraphModeConfig(enabled=False, backend="eager")
 TEXTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n    def __init__(self", "for i in range(10):\n",
          "x", "    return", '"""Module docstring.\n\nThis module', "if __name__ == '__main__':\n    main(",
@@ -61,7 +63,7 @@ def reference(setup):
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [matrix(1), 2, matrix(3)])
 def test_greedy_spec_equals_no_spec(setup, reference, k, padded):
     model_dir, prompts, max_tokens = setup
     spec = SpeculativeConfig(num_speculative_tokens=k, disable_padded_drafter_batch=not padded)
@@ -81,7 +83,7 @@ def test_small_batches(setup, batch):
     assert_same_tokens(model_dir, prompts[:6], ref, got, f"batch {batch}")
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [matrix(1), 3])
 def test_request_reaching_max_model_len(setup, k):
     model_dir, prompts, _ = setup
     long_prompt = (prompts[0] * 40)[:90]

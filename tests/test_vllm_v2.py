@@ -1,10 +1,14 @@
 """vLLM's V2 model runner (its default wherever Triton runs) with our drafter as its MTP speculator, in the real
 engine on this CPU: Triton's interpreter runs V2's kernels (``vllm_harness.runner_env``, ``tools/triton_cpu``).
 
-One harness process holds every V2 engine of this module (one import of vLLM). Greedy tokens: ours == vLLM's V2
-``MTPSpeculator`` == no speculation at K = 1, 2, 3; the same counters (acceptance at least 0.95x vLLM's); tensor
-parallel 2; the MoE + YaRN checkpoint; async scheduling with preemption against sync. A runner whose seam we do not
-reach, V1's and V2's alike, fails the engine start with one error instead of drafting with vLLM's in our name.
+Two harness processes hold every V2 engine of this module (one import of vLLM each). Greedy tokens: ours == vLLM's
+V2 ``MTPSpeculator`` == no speculation at K = 2; the same counters (acceptance at least 0.95x vLLM's); async
+scheduling with preemption against sync. A runner whose seam we do not reach, V1's and V2's alike, fails the engine
+start with one error instead of drafting with vLLM's in our name.
+
+``make test-matrix`` repeats the V2 runner at K = 1 and 3, on the MoE + YaRN checkpoint and at tensor parallel 2
+(tests marked ``matrix``): the V1 modules hold those subjects in ``make test`` (``test_vllm_plugin``,
+``test_vllm_moe``, ``test_vllm_tp``), and what is the V2 runner's own (its seam, async, preemption) runs here at K = 2.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import pytest
 
 from ascend_spec_tools.vllm_harness import CHECKPOINT, PROMPTS
 
-from .conftest import SPEC_COUNTERS, assert_moe_counters_close, run_harness
+from .conftest import SPEC_COUNTERS, assert_moe_counters_close, for_tier, matrix, run_harness
 
 pytestmark = [
     pytest.mark.vllm,
@@ -27,7 +31,7 @@ pytestmark = [
 ]
 
 #: the V1 modules' buckets: our drafter's graphs are keyed by them, not by the runner nor max_model_len (an input),
-#: so the V2 runs load the draft graphs the V1 modules compile (K = 1..3, the MoE checkpoint, TP = 2)
+#: so the V2 runs load the draft graphs the V1 modules compile (K = 2; in the matrix K = 1, 3, MoE and TP = 2 too)
 RUN = {"prompts": PROMPTS[:4], "max_tokens": [16, 24, 12, 20], "llm": {"max_num_seqs": 4}}
 GRAPH = {"graph_batch_sizes": [2, 4]}
 #: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes (a
@@ -38,8 +42,9 @@ PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_block
 def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
     runs = [{"name": "none", "drafter": "none", **RUN}]
     for k in (1, 2, 3):
-        runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN})
-        runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN})
+        tier = {"matrix": k != 2}  # K = 1 and 3: make test-matrix's
+        runs.append({"name": f"vllm_k{k}", "drafter": "vllm", "k": k, **RUN, **tier})
+        runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN, **tier})
     runs += [
         {"name": "ours_k2_async", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **RUN},
         {"name": "vllm_sync_preempt", "drafter": "vllm", "k": 2, **PREEMPT},
@@ -48,25 +53,25 @@ def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
         {"name": "unreached", "drafter": "ours", "k": 2, "unreach": "v2", "prompts": PROMPTS[:1], "max_tokens": 4},
         {"name": "bad_setting", "drafter": "ours", "k": 2, "ascend": {"warmup": "yes"}, "prompts": PROMPTS[:1],
          "max_tokens": 4},
-        {"name": "moe_vllm", "drafter": "vllm", "k": 2, "checkpoint": moe_ckpt, **RUN},
-        {"name": "moe_ours", "drafter": "ours", "k": 2, "graph": GRAPH, "checkpoint": moe_ckpt, **RUN},
+        {"name": "moe_vllm", "drafter": "vllm", "k": 2, "checkpoint": moe_ckpt, **RUN, "matrix": True},
+        {"name": "moe_ours", "drafter": "ours", "k": 2, "graph": GRAPH, "checkpoint": moe_ckpt, **RUN, "matrix": True},
     ]
     if (os.cpu_count() or 1) >= 2:
         tp = {**RUN, "llm": {"max_num_seqs": 4, "tensor_parallel_size": 2}, "checkpoint": tp_ckpt,
               "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}  # one core per rank
-        runs += [{"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp},
-                 {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp,
+        runs += [{"name": "tp2_vllm", "drafter": "vllm", "k": 2, **tp, "matrix": True},
+                 {"name": "tp2_ours", "drafter": "ours", "k": 2, "graph": GRAPH, **tp, "matrix": True,
                   # workers are processes: their stats come from files, written after every draft call
                   "ascend": {"stats_dir": stats_dir, "stats_interval_s": 0}}]
     return runs
 
 
 @pytest.fixture(scope="module")
-def v2_runs(moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+def v2_runs(request, moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     t0 = time.time()
     tmp = tmp_path_factory.mktemp("vllm_v2")
-    runs = run_harness(_configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")), CHECKPOINT,
-                       tmp, runner="v2", timeout=2400, processes=2)
+    configs = for_tier(request, _configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")))
+    runs = run_harness(configs, CHECKPOINT, tmp, runner="v2", timeout=2400, processes=2)
     runs["stats_dir"] = tmp / "tp2_stats"
     print(f"\n{len(runs)} vLLM V2 engine runs in {time.time() - t0:.0f} s")
     return runs
@@ -83,7 +88,7 @@ def counters(r: dict) -> dict:
     return {c: r["metrics"][c] for c in SPEC_COUNTERS}
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [matrix(1), 2, matrix(3)])
 def test_v2_ours_drafts_no_specs_tokens_with_vllms_acceptance(v2_runs, k):
     ref, theirs, ours = ok(v2_runs, "none"), ok(v2_runs, f"vllm_k{k}"), ok(v2_runs, f"ours_k{k}")
     assert theirs["tokens"] == ref["tokens"], f"vLLM's V2 MTP speculator differs from no-spec at K={k}"
@@ -123,6 +128,7 @@ def test_v2_preemption_keeps_tokens_sync_and_async(v2_runs):
     assert counters(ok(v2_runs, "ours_sync_preempt")) == counters(theirs)
 
 
+@pytest.mark.matrix
 def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
     theirs, ours = ok(v2_runs, "moe_vllm"), ok(v2_runs, "moe_ours")
     assert ours["tokens"] == theirs["tokens"]
@@ -130,6 +136,7 @@ def test_v2_moe_checkpoint_tokens_and_counters(v2_runs):
     assert_moe_counters_close(ours, theirs, "V2 MoE K=2")
 
 
+@pytest.mark.matrix
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallel 2 needs two cores")
 def test_v2_tensor_parallel_2_tokens_and_counters(v2_runs):
     theirs, ours = ok(v2_runs, "tp2_vllm"), ok(v2_runs, "tp2_ours")
