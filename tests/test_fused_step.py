@@ -713,27 +713,26 @@ def test_live_blocks_cover_the_longest_request():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("random_logprobs", [False, matrix(True)], ids=["three_modes", "four_modes"])
-def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts, random_logprobs):
+def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, prompts):
     """inductor: one fused graph per (K, sampling mode, logprobs) — no batch bucket, no context width in the
     key. Warm-up compiles what the requests need; the run (batches 1..4, contexts from the prompt to
     max_model_len, greedy, seeded random and logprobs rows) compiles nothing and makes no host sync. No one-row
     bucket: a lone request pads to two rows (its own one-row graph: test_lone_request_has_its_own_warm_graph).
-    Random rows with logprobs, the fourth mode, cross two the others hold: make test-matrix's. Over 90 s: it
-    compiles three fused graphs, the prompt graph and the draft chain, the engine's whole set at one K."""
+    Over 90 s: it compiles the engine's whole set at one K, the four fused graphs a batch of greedy, random and
+    logprobs rows needs (a random row beside a logprobs one runs the fourth), the prompt graph and the draft
+    chain; no other test compiles the three with logprobs or sampling."""
     from ascend_spec.engine import dynamo_compile_count
 
     eng = load_engine(trained_dir, inductor_config(2, TWO_ROW_BUCKETS), count_host_syncs=True)
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20), SamplingParams(logprobs=2),
-              SamplingParams(), SamplingParams(temperature=1.0, logprobs=1 if random_logprobs else None)]
-    modes = {("greedy", False), ("random", False), ("greedy", True)} | ({("random", True)} if random_logprobs
-                                                                        else set())
+              SamplingParams(), SamplingParams(temperature=1.0, logprobs=1)]
     report = eng.warmup_for(params)
-    # a fused graph per mode (greedy, random, greedy + logprobs[, random + logprobs]), the prompt graph and the
-    # draft chain the prompts' drafts replay
-    assert report.graphs_compiled == 2 + len(modes)
-    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * len(modes)
-    assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (2, 4) for m, lp in modes}
+    # four fused graphs (greedy, random, greedy + logprobs, random + logprobs), the prompt graph and the draft
+    # chain the prompts' drafts replay
+    assert report.graphs_compiled == 6
+    assert sorted(tag.split("_")[0] for tag in report.seconds_by_graph) == ["draft", "prefill"] + ["spec"] * 4
+    assert set(eng.spec_graphs._graphs) == {eng.spec_graphs.key(b, 2, m, lp) for b in (2, 4)
+                                            for m in ("greedy", "random") for lp in (False, True)}
     before = dynamo_compile_count()
     with torch.compiler.set_stance("fail_on_recompile"):
         got, stats, _ = eng.generate(prompts, params, [200, 20, 40, 8, 60], seed=5, arrivals=[0, 0, 3, 9, 20])
