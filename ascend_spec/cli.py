@@ -167,8 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "tokenizer.json, *.safetensors)")
     prompts = read_prompts(args)
     cfg = engine_config_from_args(args, len(prompts))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            logprobs=args.logprobs)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, logprobs=args.logprobs)
     tok = TextTokenizer(args.model)
     # Counting host syncs costs a Python hook per eager op; --json reports the measured figure.
     engine = load_engine(args.model, cfg, count_host_syncs=args.json, dtype=args.dtype)

@@ -132,11 +132,12 @@ class Engine:
         return report
 
     # -- generation loop ------------------------------------------------------------------------
-    def _check_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+    def _check_requests(self, prompts: list[list[int]], params: SamplingParams | dict | list[SamplingParams | dict],
                         max_tokens: int | list[int], arrivals: list[int] | None
                         ) -> tuple[list[SamplingParams], list[int], list[int]]:
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, dict)):
             params = [params] * len(prompts)
+        params = [SamplingParams.from_dict(p) if isinstance(p, dict) else p for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if isinstance(max_tokens, int):
@@ -157,11 +158,12 @@ class Engine:
             raise ValueError(f"arrivals: got {len(arrivals)} for {len(prompts)} prompts; allowed: one step >= 0 each")
         return list(params), list(max_tokens), arrivals
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+    def generate(self, prompts: list[list[int]], params: SamplingParams | dict | list[SamplingParams | dict],
                  max_tokens: int | list[int], seed: int | None = None, arrivals: list[int] | None = None,
                  max_num_seqs: int | None = None, progress: bool = False
                  ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
-        """``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
+        """``params``: one request's settings for all, or one per prompt; a dict holds a client's keywords
+        (:meth:`SamplingParams.from_dict`). ``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
         takes the next arrival at once. ``max_num_seqs``: at most this many requests run at once in this call
         (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish.
         ``progress``: a bar on stderr while graphs compile or load."""

@@ -25,6 +25,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    #: per-request seeds: not served (None only); ``Engine.generate(..., seed=N)`` seeds a whole run
     seed: int | None = None
     #: vLLM's meaning: return the top-``logprobs`` log-probabilities of each generated position (plus the
     #: sampled token's), from the target's raw logits. None: none returned.
@@ -38,9 +39,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in the range (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {self.seed!r}")
+        if self.seed is not None:
+            # a per-request seed would need per-row random streams inside the fixed-shape graphs; never dropped
+            raise ValueError(f"seed={self.seed!r}: per-request seeds are not served by this engine (one generator "
+                             "draws for the whole batch: generate(..., seed=N) makes a run repeat); allowed: None")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
@@ -48,6 +50,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, request: dict) -> "SamplingParams":
+        """A request's sampling settings as a client sends them (vLLM's keywords). The engine serves
+        ``temperature``, ``top_k`` (vLLM's ``-1``: off), ``top_p`` and ``logprobs``; any other key (a per-request
+        ``seed`` too) is one ``ValueError`` naming it and those, never a setting silently dropped (inside vLLM,
+        vLLM's sampler serves the rest)."""
+        served = [f for f in cls.__slots__ if f != "seed"]
+        unknown = [k for k in request if k not in served]
+        if unknown:
+            raise ValueError(f"sampling parameter {unknown[0]!r} is not served by this engine; allowed: "
+                             f"{', '.join(served)} (vLLM's sampler serves the others where ours drafts inside vLLM)")
+        kw = dict(request)
+        if kw.get("top_k") == -1:
+            kw["top_k"] = 0
+        return cls(**kw)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:

@@ -105,3 +105,34 @@ def test_seeded_random_sampling_is_reproducible(setup):
     first = run(7)
     assert run(7) == first
     assert run(8) != first
+
+
+def test_greedy_requests_beside_sampled_ones_give_no_specs_tokens(setup):
+    """Requests as a client sends them, greedy and sampled in the same batches (top-k, top-p, per-request seeds,
+    logprobs, as vLLM's keywords): every greedy request gives the no-spec run's tokens, and the sampled ones
+    repeat with the run's seed. A keyword the engine does not serve (a per-request seed among them) is one error
+    naming it."""
+    model_dir, prompts, max_tokens = setup
+    sampled = [{"temperature": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.9},
+               {"temperature": 0.7, "top_k": -1, "top_p": 0.8, "logprobs": 2}]
+    params = [sampled[i // 3] if i % 3 == 2 and i // 3 < len(sampled) else
+              ({"logprobs": 3} if i % 4 == 1 else {}) for i in range(len(prompts))]
+    assert sum(p.get("temperature", 0) > 0 for p in params) == len(sampled)
+    eng = load_engine(model_dir, EngineConfig(max_model_len=256, max_num_seqs=4,
+                                              speculative=SpeculativeConfig(num_speculative_tokens=2), graph=EAGER))
+    first, _, metrics = eng.generate(prompts, params, max_tokens, seed=11)
+    second, _, _ = eng.generate(prompts, params, max_tokens, seed=11)
+    reference, _, _ = _run(model_dir, prompts, max_tokens, None, max_num_seqs=4)
+    greedy = [i for i, p in enumerate(params) if not p.get("temperature")]
+    assert_same_tokens(model_dir, [prompts[i] for i in greedy], [reference[i] for i in greedy],
+                       [first[i].token_ids for i in greedy], "greedy beside sampled")
+    for i in greedy:
+        if params[i].get("logprobs"):
+            assert [max(lp, key=lp.get) for lp in first[i].logprobs] == first[i].token_ids
+    assert [o.token_ids for o in first] == [o.token_ids for o in second]
+    assert metrics.acceptance_rate > 0.3, metrics.as_dict()
+    with pytest.raises(ValueError, match="'repetition_penalty' is not served by this engine; allowed: "
+                                         "temperature, top_k, top_p, logprobs"):
+        eng.generate(prompts[:1], {"temperature": 0.0, "repetition_penalty": 1.2}, 4)
+    with pytest.raises(ValueError, match="'seed' is not served by this engine"):
+        eng.generate(prompts[:1], {"temperature": 1.0, "seed": 3}, 4)
