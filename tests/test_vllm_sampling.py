@@ -11,9 +11,10 @@ Where ours is enabled, ``compat.shims_sampling`` puts an expand with the Triton 
   parse; seeded random requests give the same tokens run after run.
 - Random rows follow the target distribution: 600 seeded samples of a short continuation with ours and without
   speculation, a two-sample chi-square test on the second and the third token (the first is sampled before any
-  draft; the others pass rejection sampling), each at significance 1e-3. Power: with categories pooled to an
-  expected count of 10, two samples of 600 detect a shift of the marginal by a total variation of 0.1 with
-  probability above 0.99 (simulated on this prompt's no-spec distribution, docs/test-suite.md). Planted:
+  draft; the others pass rejection sampling), each at significance 1e-3 (categories pooled below an expected count
+  of 10). Power, simulated on this prompt's no-spec samples (500 draws a case, mass moved between tokens at random):
+  a shift of the second token's distribution by a total variation of 0.15 is caught every time, of 0.10 in 89%;
+  the third token's, flatter (261 tokens in 600 samples), in 65% at 0.15; no false alarm at the null. Planted:
   ``pytest --plant-defect=cpu_sampler_unmended tests/test_vllm_sampling.py`` leaves vLLM's replacement in place
   and fails both tests.
 
@@ -65,7 +66,8 @@ GREEDY = {
     "long": greedy(PROMPTS[2], max_tokens=64, ignore_eos=True),
     "choice": greedy("answer = ", structured_outputs={"choice": ["yes", "no", "maybe"]}),
     "regex": greedy("phone = '", structured_outputs={"regex": REGEX}),
-    "json": greedy("config = ", max_tokens=64, structured_outputs={"json": SCHEMA}),
+    # the miniature would pad JSON with whitespace the grammar allows until max_tokens
+    "json": greedy("config = ", max_tokens=64, structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}),
     "repetition_penalty": greedy(PROMPTS[1], repetition_penalty=1.3, ignore_eos=True),
     "presence_frequency": greedy(PROMPTS[3], presence_penalty=0.6, frequency_penalty=0.4, ignore_eos=True),
     "bad_words": greedy(PROMPTS[4], bad_words=["return", "self"], ignore_eos=True),
@@ -113,8 +115,8 @@ def runs(request, tmp_path_factory) -> dict[str, dict]:
 
     results = run_harness(for_tier(request, CONFIGS), CHECKPOINT, tmp_path_factory.mktemp("vllm_sampling"),
                           processes=2)
-    for r in results.values():
-        assert "error" not in r or r["name"] == "ours_min_p", f"{r['name']}: {r['error']}"
+    for r in results.values():  # vLLM's drafter may fail in that batch: its outcome is printed, not asserted
+        assert "error" not in r or r["name"] in ("ours_min_p", "vllm_mixed"), f"{r['name']}: {r['error']}"
     return results
 
 
@@ -131,11 +133,14 @@ def test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones(runs):
     differ = [n for n in GREEDY if ours[n][0]["token_ids"] != ref[n][0]["token_ids"]]
     assert not differ, {n: (ref[n][0]["token_ids"], ours[n][0]["token_ids"]) for n in differ}
     assert runs["ours_mixed"]["metrics"]["spec_decode_num_accepted_tokens"] > 0
-    theirs = outputs(runs["vllm_mixed"])
-    same = [n for n in GREEDY if theirs[n][0]["token_ids"] == ref[n][0]["token_ids"]]
-    print(f"vLLM's drafter in the same batch: {len(same)}/{len(GREEDY)} greedy requests equal no-spec's; "
-          f"accepted {runs['vllm_mixed']['metrics']['spec_decode_num_accepted_tokens']} draft tokens, ours "
-          f"{runs['ours_mixed']['metrics']['spec_decode_num_accepted_tokens']}")
+    theirs = runs["vllm_mixed"]
+    if "error" in theirs:
+        print(f"vLLM's drafter in the same batch: {theirs['error'].splitlines()[0]}")
+    else:
+        same = [n for n in GREEDY if outputs(theirs)[n][0]["token_ids"] == ref[n][0]["token_ids"]]
+        print(f"vLLM's drafter in the same batch: {len(same)}/{len(GREEDY)} greedy requests equal no-spec's; "
+              f"accepted {theirs['metrics']['spec_decode_num_accepted_tokens']} draft tokens, ours "
+              f"{runs['ours_mixed']['metrics']['spec_decode_num_accepted_tokens']}")
 
 
 def test_greedy_requests_keep_what_their_parameters_ask(runs):
@@ -203,3 +208,26 @@ def test_random_rows_sample_the_target_distribution(runs):
         p = two_sample_pvalue(a, b)
         print(f"token {pos}: {len(set(a))} tokens without speculation, {len(set(b))} with ours; p = {p:.3g}")
         assert p > SIGNIFICANCE, (pos, Counter(a).most_common(8), Counter(b).most_common(8))
+
+
+@pytest.mark.matrix
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="vLLM's V2 runner needs Triton (its interpreter runs the kernels on CPU)")
+def test_v2_greedy_requests_beside_sampled_ones_give_no_specs_tokens(tmp_path):
+    """The mixed batch on vLLM's V2 runner, whose kernels Triton's interpreter runs here (no CPU replacement):
+    every greedy request gives no-spec's tokens, seeded sampled ones repeat."""
+    from ascend_spec_tools.vllm_harness import CHECKPOINT
+
+    configs = [_run("none_mixed", "none", [r for _, r in MIXED]),
+               _run("ours_mixed", "ours", [r for _, r in MIXED], repeat=2)]
+    results = run_harness(configs, CHECKPOINT, tmp_path, runner="v2", timeout=2400)
+    for r in results.values():
+        assert "error" not in r, f"{r['name']}: {r['error']}"
+        assert r["runner"] == "v2", r["runner"]
+    ref, ours = outputs(results["none_mixed"]), outputs(results["ours_mixed"])
+    assert {n: ours[n][0]["token_ids"] for n in GREEDY} == {n: ref[n][0]["token_ids"] for n in GREEDY}
+    first, second = outputs(results["ours_mixed"], 0), outputs(results["ours_mixed"], 1)
+    assert {n: [c["token_ids"] for c in first[n]] for n in RANDOM} == \
+        {n: [c["token_ids"] for c in second[n]] for n in RANDOM}
+    (stats,) = results["ours_mixed"]["drafter"]
+    assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats

