@@ -71,7 +71,12 @@ def expand_writes_its_output(impl) -> bool:
 def mend_cpu_rejection_sampler() -> str:
     """Put :func:`expand_to_tokens` where vLLM registered a replacement of ``expand_kernel`` that writes a copy of
     its output; what it found (:data:`MENDED`, :data:`CORRECT_UPSTREAM`, :data:`NOT_REPLACED`). Idempotent; called
-    in the process that builds the drafter, after vLLM registered its replacements (worker start)."""
+    in the process that builds the drafter, after vLLM registered its replacements (worker start). Only on
+    vLLM's CPU platform: what another platform registers (vllm-ascend's NPU kernels) is never touched."""
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", None) != "cpu":
+        return NOT_REPLACED
     try:
         from vllm.triton_utils import dispatcher
     except ImportError:  # releases before the dispatcher: the kernels were Triton's or none
