@@ -67,7 +67,8 @@ def fixed_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_first_steps_warm_then_each_deferred_k_compiles_once_when_needed(trained_dir, own_store, monkeypatch):
-    """Adaptive K_max = 2, two prompts: a one-token run compiles nothing (its tokens come from the prompt pass);
+    """Over 90 s: its subject is when each graph compiles, so it compiles into a store of its own.
+    Adaptive K_max = 2, two prompts: a one-token run compiles nothing (its tokens come from the prompt pass);
     warm-up, at the first decode step, compiles the step at K = 2 only, what runs while acceptance is
     learned (``all`` compiles six step graphs and the two prompt graphs; a run of few prompts runs them eagerly),
     and a lone request pads to two rows. Requests too short to repay a compile keep K_max. Once acceptance is

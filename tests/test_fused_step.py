@@ -754,7 +754,8 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
 def test_long_contexts_replay_warm_graphs(trained_dir, prompts, tmp_path):
     """max_model_len above 4,096 (257+ blocks): inductor compiles a second variant of a dynamic-width graph past
     256 blocks (its own guard); warm-up replays widths up to the full one, so a request near max_model_len and
-    a short one beside it compile nothing and match the eager reference."""
+    a short one beside it compile nothing and match the eager reference. Over 90 s: another model config (4,400
+    positions) compiles graphs of its own, and the eager reference runs a 4,300-token prompt."""
     import json
 
     from ascend_spec.engine import dynamo_compile_count

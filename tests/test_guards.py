@@ -27,6 +27,7 @@ def _recording(kept: list[list[tuple[str, str, bool]]]):
 
 
 def test_engine_graphs_keep_only_argument_and_global_state_guards(trained_dir, monkeypatch):
+    """Over 90 s: Dynamo must trace the engine's graphs anew to show what its filter keeps (no graph store)."""
     kept: list[list[tuple[str, str, bool]]] = []
     # the backend takes the module's filter when the engine builds it: record what that filter keeps. Dynamo's own
     # dispatch (no graph store); graphs saved whole keep a subset of the same (aot_graphs.keep_portable_input_guards)

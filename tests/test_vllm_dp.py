@@ -58,6 +58,8 @@ def _rank_share(k: int, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def dp_runs(request, trained_dir, tmp_path_factory) -> dict[tuple[str, int], list[dict]]:
+    """Over 90 s: a DP launch is six vLLM processes (two ranks' harnesses, engine cores and workers), and a rank's
+    one-thread draft graphs compile apart from the two-thread ones (docs/test-suite.md)."""
     ks = [k for k in LOADS if k == 2 or matrix_selected(request)]
     shares = run_harness([_rank_share(k, r) for k in ks for r in range(2)], trained_dir,
                          tmp_path_factory.mktemp("dp2_vllm_shares"))

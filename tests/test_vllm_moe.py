@@ -43,6 +43,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def runs(request, moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+    """Over 90 s: six engines on the MoE checkpoint, and the compile of our draft graphs on vLLM's MoE layers."""
     t0 = time.time()
     results = run_harness(for_tier(request, CONFIGS), moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
     print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")

@@ -67,7 +67,9 @@ def serve_argv(model: str, port: int, speculative: bool) -> list[str]:
     from ascend_spec_tools.vllm_harness import ENGINE
 
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS), *_engine_flags()]
+            "--port", str(port), "--max-num-seqs", str(MAX_NUM_SEQS), *_engine_flags(),
+            # JSON without the free whitespace its grammar allows (the miniature would pad with it to max_tokens)
+            "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
     if speculative:
         argv += ["--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2,
                                                      "attention_backend": ENGINE["attention_backend"]}),
@@ -226,12 +228,10 @@ def _client_requests() -> dict[str, dict]:
         "greedy_stop": dict(prompt=PROMPTS[0], max_tokens=32, temperature=0.0, stop=["\n\n"], stream=True),
         "greedy_logprobs": dict(prompt=PROMPTS[1], max_tokens=24, temperature=0.0, logprobs=2,
                                 extra_body={"ignore_eos": True}),
-        # vLLM's structured outputs (the miniature pads JSON with the whitespace a grammar allows, unless told not
-        # to) and OpenAI's response_format (its tokens compared, its text not parsed: it may stop mid-whitespace)
         "greedy_json": dict(prompt="config = ", max_tokens=64, temperature=0.0, extra_body={
-            "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}),
-        "greedy_response_format": dict(prompt="settings = ", max_tokens=32, temperature=0.0, extra_body={
             "response_format": {"type": "json_schema", "json_schema": {"name": "config", "schema": SCHEMA}}}),
+        "greedy_choice": dict(prompt="answer = ", max_tokens=8, temperature=0.0, extra_body={
+            "structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
         "greedy_plain": dict(prompt=PROMPTS[2], max_tokens=24, temperature=0.0, stream=True,
                              extra_body={"ignore_eos": True}),
         "random_n2": dict(prompt=PROMPTS[3], max_tokens=24, temperature=1.0, n=2, seed=5, stream=True,
@@ -283,6 +283,7 @@ def test_serve_mixed_requests_as_clients_send_them(servers):
     for name in (n for n in requests if n.startswith("greedy")):
         assert first[name][0]["token_ids"] == reference[name][0]["token_ids"], (name, first[name], reference[name])
     assert set(json.loads(first["greedy_json"][0]["text"])) == {"ok", "n"}, first["greedy_json"]
+    assert first["greedy_choice"][0]["text"] in ("yes", "no", "maybe"), first["greedy_choice"]
     logprobs = first["greedy_logprobs"][0]
     assert logprobs["top"] and all(max(top, key=top.get) == tok for top, tok in zip(logprobs["top"],
                                                                                     logprobs["tokens"]))

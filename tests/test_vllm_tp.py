@@ -53,7 +53,9 @@ def _configs(name: str, checkpoint: Path, stats_dir: Path, ks: tuple[int, ...]) 
 
 @pytest.fixture(scope="module")
 def tp_harness(request, moe_ckpts, trained_dir, tmp_path_factory):
-    """The checkpoints' TP = 2 engines in one harness process (one import of vLLM): (results, stats dir, log)."""
+    """The checkpoints' TP = 2 engines in one harness process (one import of vLLM): (results, stats dir, log).
+    Over 90 s: each TP engine spawns two workers (each imports vLLM), and each rank compiles its vocab-parallel
+    draft graphs."""
     ckpts = {"bundled": trained_dir}
     if matrix_selected(request):
         ckpts["bundled-moe"] = moe_ckpts["bundled-moe"]

@@ -68,6 +68,7 @@ def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
 
 @pytest.fixture(scope="module")
 def v2_runs(request, moe_ckpts, tmp_path_factory) -> dict[str, dict]:
+    """Over 90 s: nine V2 engines whose kernels Triton's interpreter runs in Python."""
     t0 = time.time()
     tmp = tmp_path_factory.mktemp("vllm_v2")
     configs = for_tier(request, _configs(str(moe_ckpts["bundled-moe"]), CHECKPOINT, str(tmp / "tp2_stats")))
