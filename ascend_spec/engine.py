@@ -168,6 +168,8 @@ class Engine:
         (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish.
         ``progress``: a bar on stderr while graphs compile or load."""
         params, max_tokens, arrivals = self._check_requests(prompts, params, max_tokens, arrivals)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed={seed!r}; allowed: None or an integer >= 0 (the run's random generator)")
         limit = self.cfg.max_num_seqs if max_num_seqs is None else max_num_seqs
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.cfg.max_num_seqs:
             raise ValueError(f"max_num_seqs={max_num_seqs!r}; allowed: an int in 1..{self.cfg.max_num_seqs} "

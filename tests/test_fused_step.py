@@ -720,7 +720,7 @@ def test_one_compile_per_k_and_mode_serves_every_batch_and_context(trained_dir, 
     bucket: a lone request pads to two rows (its own one-row graph: test_lone_request_has_its_own_warm_graph).
     Over 90 s: it compiles the engine's whole set at one K, the four fused graphs a batch of greedy, random and
     logprobs rows needs (a random row beside a logprobs one runs the fourth), the prompt graph and the draft
-    chain; no other test compiles the three with logprobs or sampling."""
+    chain."""
     from ascend_spec.engine import dynamo_compile_count
 
     eng = load_engine(trained_dir, inductor_config(2, TWO_ROW_BUCKETS), count_host_syncs=True)
