@@ -140,8 +140,6 @@ class DraftCoreMixin:
             logger.warning("ascend_spec drafter enabled, but speculative method %r is not one of %s: "
                            "vLLM's drafter is used", method, METHODS)
         self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm", runner=runner_name)
-        if self.ascend_enabled:  # the worker registered vLLM's kernel replacements before building its drafter
-            self.ascend_stats.cpu_expand_kernel = mend_cpu_rejection_sampler()
         self._ascend_model = None
         self._ascend: MtpTorchairProposer | None = None
         self._ascend_layer = ""
@@ -170,6 +168,9 @@ class DraftCoreMixin:
                                                 self.ascend_settings.stats_interval_s)
         if not self.ascend_enabled:
             return
+        # by now vLLM put its CPU kernel replacements in place: at worker start (>= 0.31) or in its CPU runner's
+        # __init__, after the drafter was built (<= 0.30)
+        self.ascend_stats.cpu_expand_kernel = mend_cpu_rejection_sampler()
         logger.info("ascend_spec: vLLM API shapes in use: %s", drift)
         cfg = config_from_vllm(self.vllm_config)
         self._refuse_unpaired_dp(cfg.moe is not None)

@@ -51,20 +51,55 @@ def expand_writes_its_output(impl) -> bool:
     return True
 
 
+class _Launch:
+    """``kernel[grid](...)`` as the rejection sampler launches ``expand_kernel``, calling :func:`expand_to_tokens`."""
+
+    func = staticmethod(expand_to_tokens)
+
+    def __getitem__(self, grid):
+        return expand_to_tokens
+
+
+def _mend_runner_global() -> str:
+    """Releases before the dispatcher (<= 0.30): vLLM's CPU runner rebinds ``rejection_sampler.expand_kernel`` to
+    ``cpu_triton_utils.expand_kernel`` (a wrapper whose ``func`` is the same replacement); ours takes its place."""
+    try:
+        from vllm.utils import cpu_triton_utils
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        return NOT_REPLACED
+    bound = getattr(rejection_sampler, "expand_kernel", None)
+    if isinstance(bound, _Launch):
+        return MENDED
+    if bound is None or bound is not getattr(cpu_triton_utils, "expand_kernel", None):
+        return NOT_REPLACED
+    if expand_writes_its_output(bound.func):
+        return CORRECT_UPSTREAM
+    rejection_sampler.expand_kernel = _Launch()
+    _said_replaced(bound.func)
+    return MENDED
+
+
+def _said_replaced(impl) -> None:
+    logger.info("ascend_spec: vLLM's CPU replacement of the rejection sampler's expand_kernel (%s) writes a "
+                "converted copy of its output; it is replaced by ascend_spec's, so that greedy rows beside sampled "
+                "ones keep their logits", getattr(impl, "__qualname__", impl))
+
+
 @covers("cpu_expand_kernel")
 def mend_cpu_rejection_sampler() -> str:
     """Put :func:`expand_to_tokens` where vLLM registered a replacement of ``expand_kernel`` that writes a copy of
     its output; what it found (:data:`MENDED`, :data:`CORRECT_UPSTREAM`, :data:`NOT_REPLACED`). Idempotent; called
-    in the process that builds the drafter, after vLLM registered its replacements (worker start). Only on
-    vLLM's CPU platform: what another platform registers (vllm-ascend's NPU kernels) is never touched."""
+    in the process that builds the drafter, once vLLM put its replacements in place (the drafter's model load).
+    Only on vLLM's CPU platform: what another platform registers (vllm-ascend's NPU kernels) is never touched."""
     from vllm.platforms import current_platform
 
     if getattr(current_platform, "device_type", None) != "cpu":
         return NOT_REPLACED
     try:
         from vllm.triton_utils import dispatcher
-    except ImportError:  # releases before the dispatcher: the kernels were Triton's or none
-        return NOT_REPLACED
+    except ImportError:  # releases before the dispatcher: the CPU runner rebinds the kernel's module global
+        return _mend_runner_global()
     registered = getattr(dispatcher, "_registry", {}).get(EXPAND_KERNEL)
     if registered is None:
         return NOT_REPLACED
@@ -81,7 +116,5 @@ def mend_cpu_rejection_sampler() -> str:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_to_tokens})
     finally:
         dispatcher_log.setLevel(level)
-    logger.info("ascend_spec: vLLM's CPU replacement of the rejection sampler's expand_kernel (%s) writes a "
-                "converted copy of its output; it is replaced by ascend_spec's, so that greedy rows beside sampled "
-                "ones keep their logits", getattr(impl, "__qualname__", impl))
+    _said_replaced(impl)
     return MENDED
