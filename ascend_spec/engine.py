@@ -163,9 +163,10 @@ class Engine:
                  max_num_seqs: int | None = None, progress: bool = False
                  ) -> tuple[list[RequestOutput], RunStats, SpecMetrics | None]:
         """``params``: one request's settings for all, or one per prompt; a dict holds a client's keywords
-        (:meth:`SamplingParams.from_dict`). ``arrivals``: the decode step at which each request arrives (default: all at step 0); an idle engine
-        takes the next arrival at once. ``max_num_seqs``: at most this many requests run at once in this call
-        (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as requests finish.
+        (:meth:`SamplingParams.from_dict`). ``arrivals``: the decode step at which each request arrives (default:
+        all at step 0); an idle engine takes the next arrival at once. ``max_num_seqs``: at most this many requests
+        run at once in this call (1 .. the engine's ``max_num_seqs``, its default); the others wait and join as
+        requests finish.
         ``progress``: a bar on stderr while graphs compile or load."""
         params, max_tokens, arrivals = self._check_requests(prompts, params, max_tokens, arrivals)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):

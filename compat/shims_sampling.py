@@ -54,8 +54,6 @@ def expand_writes_its_output(impl) -> bool:
 class _Launch:
     """``kernel[grid](...)`` as the rejection sampler launches ``expand_kernel``, calling :func:`expand_to_tokens`."""
 
-    func = staticmethod(expand_to_tokens)
-
     def __getitem__(self, grid):
         return expand_to_tokens
 

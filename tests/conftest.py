@@ -30,7 +30,8 @@ def pytest_addoption(parser) -> None:
 # Under pytest-xdist (make test), modules are dealt whole to the workers in collection order: the longest first,
 # so that no long module starts last and leaves a worker idle (seconds per module: docs/test-suite.md).
 LONGEST_FIRST = ("test_fused_step", "test_vllm_tp", "test_vllm_dp", "test_vllm_v2", "test_vllm_amx_mla",
-                 "test_moe_graph", "test_vllm_plugin", "test_vllm_sampling", "test_aot_graphs", "test_vllm_bf16_cpu_mla", "test_kv_layouts",
+                 "test_moe_graph", "test_vllm_plugin", "test_vllm_sampling", "test_aot_graphs",
+                 "test_vllm_bf16_cpu_mla", "test_kv_layouts",
                  "test_vllm_moe", "test_graph_mode", "test_ge_op_audit", "test_ge_op_audit_drafter",
                  "test_vllm_serve", "test_upgrade_check", "test_bundled_model", "test_vllm_memory", "test_guards",
                  "test_deferred_graphs", "test_vllm_quant", "test_draft_kv_lengths")

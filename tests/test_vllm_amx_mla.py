@@ -42,7 +42,8 @@ CONFIGS = [{"name": "none", "drafter": "none", "logprobs": 2, "llm": amx(32)["ll
 
 @pytest.fixture(scope="module")
 def runs(request, trained_dir, tmp_path_factory) -> dict[str, dict]:
-    return run_harness(for_tier(request, CONFIGS), trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"), processes=2)
+    return run_harness(for_tier(request, CONFIGS), trained_dir, tmp_path_factory.mktemp("vllm_amx_mla_runs"),
+                       processes=2)
 
 
 @pytest.mark.parametrize("block_size, k", CASES + [matrix(bs, k) for bs, k in MATRIX_CASES])

@@ -45,7 +45,8 @@ CONFIGS = [
 def runs(request, moe_ckpts, tmp_path_factory) -> dict[str, dict]:
     """Over 90 s: six engines on the MoE checkpoint, and the compile of our draft graphs on vLLM's MoE layers."""
     t0 = time.time()
-    results = run_harness(for_tier(request, CONFIGS), moe_ckpts["bundled-moe"], tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
+    results = run_harness(for_tier(request, CONFIGS), moe_ckpts["bundled-moe"],
+                          tmp_path_factory.mktemp("vllm_moe_runs"), processes=2)
     print(f"\n{len(results)} vLLM engine runs on the MoE + YaRN checkpoint in {time.time() - t0:.0f} s")
     return results
 
@@ -70,8 +71,8 @@ def assert_same_or_tie(ref: dict, tokens: list[list[int]], what: str, tie: float
             assert len(a) == len(b), f"{what}: prompt {p}: {len(b)} tokens, reference {len(a)}"
 
 
-@pytest.mark.parametrize("name", [matrix("vllm_k1"), matrix("ours_k1"), "vllm_k2", "ours_k2", "vllm_k2_async", "ours_k2_async",
-                                  "ours_k2_unpadded"])
+@pytest.mark.parametrize("name", [matrix("vllm_k1"), matrix("ours_k1"), "vllm_k2", "ours_k2", "vllm_k2_async",
+                                  "ours_k2_async", "ours_k2_unpadded"])
 def test_spec_equals_no_spec(runs, name):
     assert_same_or_tie(ok(runs, "none"), ok(runs, name)["tokens"], f"{name} vs vLLM no-spec")
 
