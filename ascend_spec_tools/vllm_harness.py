@@ -346,6 +346,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     from vllm import LLM, SamplingParams
 
     from ascend_spec.compat import drafter as drafter_mod
+    from ascend_spec.compat import schedule_k
 
     name = cfg.get("name", "run")
     kind = cfg.get("drafter", "none")
@@ -356,7 +357,9 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
         kw["speculative_config"] = {"method": "deepseek_mtp", "num_speculative_tokens": int(cfg.get("k", 2)),
                                     "attention_backend": ENGINE["attention_backend"], **cfg.get("spec", {})}
     if kind == "ours":
-        kw["additional_config"] = {"ascend_spec": {"enabled": True, **cfg.get("ascend", {})},
+        # K stays fixed unless a configuration asks for the measured schedule: most subjects compare acceptance
+        # counts across runs, which a schedule following the clock would move
+        kw["additional_config"] = {"ascend_spec": {"enabled": True, "k_schedule": "fixed", **cfg.get("ascend", {})},
                                    "torchair_graph_config": cfg.get("graph", {})}
     elif kind == "vllm" and cfg.get("ascend"):  # vLLM's drafter, with our adapter only recording (stats_dir)
         kw["additional_config"] = {"ascend_spec": {**cfg["ascend"], "enabled": False}}
@@ -380,6 +383,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
     undo_bug = _inject_bug(cfg["inject_bug"]) if cfg.get("inject_bug") else None
     undo_mend = _unmend_cpu_sampler() if cfg.get("unmend_cpu_sampler") or os.environ.get(UNMEND_ENV) else None
     n_live = len(drafter_mod.LIVE)
+    n_schedules = len(schedule_k.LIVE_SCHEDULES)
     llm = None
     # vLLM collects the whole heap several times while an engine starts (weight loading, memory profiling): what
     # this process already holds (imports, earlier runs' compiled graphs) is frozen out of those scans, as vLLM
@@ -419,6 +423,7 @@ def run_one(cfg: dict[str, Any], checkpoint: str = CHECKPOINT, before_teardown: 
         if cfg.get("measure_memory"):
             result["live_tensor_bytes"] = live_tensor_bytes()
         result["drafter"] = snapshots[-1]
+        result["schedule"] = schedule_k.live_schedules(schedule_k.LIVE_SCHEDULES[n_schedules:])
         result["drafter_snapshots"] = snapshots  # cumulative stats after each generate call
     except Exception as e:  # noqa: BLE001 - reported to the caller, which decides
         result["error"] = f"{type(e).__name__}: {e}"

@@ -29,6 +29,7 @@ from ascend_spec.torchair_proposer import MtpTorchairProposer
 
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view
+from .schedule_k import draft_ks
 from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
 from .shims import CompatError, installed_vllm_version
 from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
@@ -55,6 +56,8 @@ class DrafterStats:
     eager_calls: int = 0  # ours, run eagerly (wider prefill chunks, batches above the buckets)
     fallback_calls: int = 0  # delegated to vLLM's propose although enabled
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
+    draft_chains: list[int] = field(default_factory=list)  # the K values ours has a draft chain for
+    drafts_by_k: dict[int, int] = field(default_factory=dict)  # our draft calls per K the runner asked for
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
     own_dummy_runs: int = 0  # the runner's dummy steps (captures, idle data-parallel steps) run as inert drafts here
     dummy_calls: int = 0  # the runner's dummy steps, whichever drafter ran them
@@ -142,6 +145,7 @@ class DraftCoreMixin:
         self.ascend_stats = DrafterStats(drafter="ascend_spec" if self.ascend_enabled else "vllm", runner=runner_name)
         self._ascend_model = None
         self._ascend: MtpTorchairProposer | None = None
+        self._ascend_chains: dict[int, MtpTorchairProposer] = {}
         self._ascend_layer = ""
         self._ascend_cache_bound = False
         self._ascend_stats_file: StatsFile | None = None
@@ -210,9 +214,15 @@ class DraftCoreMixin:
         k = self._draft_k
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
         backend.store = self._graph_store(backend, sizes)
-        spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=k)
-        self._ascend = MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache,
-                                           backend=backend, batch_sizes=sizes, prefill_widths=g.prefill_query_widths)
+        # One draft chain per K the scheduler may ask for (K = 0 runs K = 1's and drops its draft), K_max first.
+        chains = sorted({max(j, 1) for j in draft_ks(self.vllm_config, k)}, reverse=True)
+        self._ascend_chains = {
+            j: MtpTorchairProposer(self._ascend_model, SpeculativeConfig(method="deepseek_mtp",
+                                                                         num_speculative_tokens=j),
+                                   self.max_model_len, cache, backend=backend, batch_sizes=sizes,
+                                   prefill_widths=g.prefill_query_widths)
+            for j in chains}
+        self._ascend = self._ascend_chains[k]
         self._ascend_cache_bound = False
         self.ascend_stats.buckets = list(sizes)
         self.ascend_stats.backend = backend.name
@@ -231,15 +241,17 @@ class DraftCoreMixin:
         if s.warmup:
             t0 = time.perf_counter()
             with torch.inference_mode(), self._warmup_context(max(sizes) * (1 + k)):
-                self._ascend.warmup(progress=False)
+                for chain in self._ascend_chains.values():
+                    chain.warmup(progress=False)
             st.warmup_seconds = time.perf_counter() - t0
         if backend.store is not None:
             st.graphs_loaded, st.graphs_saved = backend.store.loaded, backend.store.compiled
         st.graph_host_ops = len(backend.lint.findings)
-        logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s (× %d tokens), warm-up %.1f s, "
-                    "weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank, self._ascend_tp,
-                    backend.name, sizes, 1 + k, st.warmup_seconds, st.quantization or "unquantised",
-                    st.weights_owned_bytes / 2**20)
+        st.draft_chains = sorted(self._ascend_chains)
+        logger.info("ascend_spec drafter rank %d/%d: backend %s, graph buckets %s, draft chains K = %s, warm-up "
+                    "%.1f s, weights shared with vLLM (%s; drafter owns %.1f MiB of tensors)", st.rank,
+                    self._ascend_tp, backend.name, sizes, st.draft_chains, st.warmup_seconds,
+                    st.quantization or "unquantised", st.weights_owned_bytes / 2**20)
         if self._ascend_stats_file is not None:
             self._ascend_stats_file.write()
 
@@ -272,7 +284,8 @@ class DraftCoreMixin:
             logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
                            describe(cache), describe(self._ascend.draft_cache))
         self._mark_static_on_cuda(cache)
-        self._ascend.draft_cache = cache
+        for chain in self._ascend_chains.values():
+            chain.draft_cache = cache
         self._ascend_cache_bound = True
 
     def _mark_static_on_cuda(self, cache: LatentCache) -> None:
@@ -349,15 +362,23 @@ class DraftCoreMixin:
         if self._ascend_stats_file is not None:
             self._ascend_stats_file.maybe_write()
 
-    def _run_ours(self, inputs: DraftInputs) -> torch.Tensor:
-        """One draft through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids."""
+    def _chain(self, k: int) -> MtpTorchairProposer | None:
+        """Our draft chain for a step drafting K = ``k`` (K = 0: K = 1's, its draft dropped); None if not built."""
+        return self._ascend_chains.get(max(k, 1))
+
+    def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
+        """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.
+        K = 0 still runs the first pass: it writes the verified positions' draft KV, which later drafts read."""
         if not self._ascend_cache_bound:
             self._bind_cache()
+        chain = self._chain(k)
         with torch.inference_mode():
-            draft = self._ascend.propose(inputs)
-        self.ascend_stats.graph_failures = self._ascend.graph.num_failures
-        self.ascend_stats.graph_host_ops = len(self._ascend.backend.lint.findings)
-        return draft
+            draft = chain.propose(inputs)
+        st = self.ascend_stats
+        st.graph_failures = sum(c.graph.num_failures for c in self._ascend_chains.values())
+        st.graph_host_ops = len(chain.backend.lint.findings)
+        st.drafts_by_k[k] = st.drafts_by_k.get(k, 0) + 1
+        return draft[:, :k]
 
     def _count_call(self, seconds: float, decode: bool, reason: str | None) -> None:
         """Stats of one ``propose``: ``reason`` names why vLLM's drafter ran it (None: ours did)."""

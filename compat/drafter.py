@@ -148,8 +148,8 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             return "disabled"
         if self._ascend is None:
             return "not_built"
-        if k != self._ascend.num_speculative_tokens:
-            return "dynamic_k"
+        if self._chain(k) is None:
+            return "dynamic_k"  # a K of a schedule our chains were not built for
         if target_positions is not None and target_positions.dim() != 1:
             return "mrope"
         probabilistic = getattr(self.speculative_config, "draft_sample_method", "greedy") != "greedy"
@@ -162,6 +162,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                         token_indices_to_sample: torch.Tensor | None, f: Any, decode: bool) -> torch.Tensor:
         b, q = f.num_reqs, 1 + k
         dev = target_hidden_states.device
+        chain = self._chain(k)
         qsl = f.query_start_loc[: b + 1].long()
         tis = (qsl[1:] - 1) if token_indices_to_sample is None else token_indices_to_sample[:b].long()
         if self.ascend_settings.collect_stats:
@@ -175,7 +176,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             hidden = target_hidden_states[:n].view(b, q, -1)
             slots = f.slot_mapping[:n].view(b, q).long()
             sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
-            if self._ascend.graph.rows_for(b) is None:
+            if chain.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:
                 self.ascend_stats.graph_calls += 1
@@ -188,20 +189,20 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                 (target_token_ids, 0), (target_positions, 0), (target_hidden_states, 0.0), (f.slot_mapping, -1)])
             ids, pos, slots = ids.long(), pos.long(), slots.long()
             sample_idx = (tis - qsl[:-1]).clamp(0, width - 1)
-            if self._ascend.graph_serves(b, width):
+            if chain.graph_serves(b, width):
                 self.ascend_stats.graph_calls += 1
             else:
                 self.ascend_stats.eager_calls += 1
-        block = block_size_of(self._ascend.draft_cache)
-        full = self._ascend.table_width
+        block = block_size_of(chain.draft_cache)
+        full = chain.table_width
         # Context is data: on backends that compile a dynamic width the table covers the live blocks only
         # (the chained drafts write up to max_seq_len + K - 1), so a step costs what the context costs.
-        width = table_width(f.max_seq_len + k, full, block, self._ascend.backend.shapes.trim_context)
+        width = table_width(f.max_seq_len + k, full, block, chain.backend.shapes.trim_context)
         # Attention that reads host KV lengths (torch_npu's) gets the runner's host ones, optimistic under async
         # scheduling as vllm-ascend's own drafter passes them (an upper bound, never a read of the device's),
         # each aligned to its row's query block: a span right-padded to the batch's width ends that much later.
         lens_host = None
-        if self._ascend.model.takes_host_lengths:
+        if chain.model.takes_host_lengths:
             spans = (f.query_start_loc_cpu[1: b + 1] - f.query_start_loc_cpu[:b]).tolist()
             upper = host_seq_lens_upper_bound(self.runner, b).tolist()
             lens_host = tuple(u - n + ids.shape[1] for u, n in zip(upper, spans))
@@ -210,7 +211,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             next_token_ids=next_token_ids[:b].long(), token_indices_to_sample=sample_idx,
             block_table=fit_width(f.block_table_tensor[:b], width), seq_lens=f.seq_lens[:b].long(),
             seq_lens_host=lens_host)
-        draft = self._run_ours(inputs)
+        draft = self._run_ours(inputs, k)
         if self.ascend_settings.collect_stats:
             self._check_host_buffer_after(b)
         return draft

@@ -8,6 +8,7 @@ import logging
 from . import ascend, ascend_hook
 from .drafter import build_adapter_class
 from .runner_reach import WORKER_MODULE, patch_v2_runner, patch_worker
+from .schedule_k import SCHEDULER_MODULE, patch_scheduler
 from .shims_v2 import V2_RUNNER_MODULE
 from .shims import Missing, raise_if_missing
 
@@ -19,8 +20,8 @@ SEAM = "EagleProposer"
 
 def register() -> None:
     """Rebind ``vllm.v1.worker.gpu_model_runner.EagleProposer`` (V1) and ``vllm.v1.worker.gpu.model_runner.
-    init_speculator`` (V2) to build the adapter, and check at engine start that the runner built ours (idempotent);
-    on Ascend, patch vllm-ascend's drafter factory instead."""
+    init_speculator`` (V2) to build the adapter, check at engine start that the runner built ours, and let ours
+    keep the scheduler's K per batch size (idempotent); on Ascend, patch vllm-ascend's drafter factory instead."""
     if ascend.on_ascend():
         ascend.install()
         return
@@ -29,6 +30,8 @@ def register() -> None:
     if V2_RUNNER_MODULE not in hook.patches:
         hook.watch(V2_RUNNER_MODULE, patch_v2_runner)
         hook.watch(WORKER_MODULE, patch_worker)
+        # the engine core's scheduler, where K per batch size is chosen (k_schedule: auto)
+        hook.watch(SCHEDULER_MODULE, patch_scheduler)
     try:
         import vllm.v1.worker.gpu_model_runner as gmr
     except ImportError as e:

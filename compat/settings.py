@@ -11,7 +11,10 @@ from ascend_spec.config import GRAPH_FAILURE_POLICIES, ConfigError, GraphModeCon
 
 ADDITIONAL_CONFIG_KEY = "ascend_spec"
 GRAPH_CONFIG_KEY = "torchair_graph_config"
-SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "stats_interval_s", "graph_failure")
+SETTINGS_KEYS = ("enabled", "warmup", "collect_stats", "stats_dir", "stats_interval_s", "graph_failure", "k_schedule")
+#: ``k_schedule``: auto, K per batch size from measurements where the user wrote no schedule
+#: (``speculative_config.num_speculative_tokens_per_batch_size``); fixed, every step drafts num_speculative_tokens
+K_SCHEDULES = ("auto", "fixed")
 DEFAULT_MAX_GRAPH_BATCH = 16
 #: seconds between rewrites of the per-rank stats file while drafting, unless ``stats_interval_s`` says otherwise
 DEFAULT_STATS_INTERVAL_S = 5.0
@@ -28,6 +31,7 @@ class PluginSettings:
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     #: None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (resolved where the backend is built)
     graph_failure: str | None = None
+    k_schedule: str = "auto"
     graph: GraphModeConfig = field(default_factory=GraphModeConfig)
 
     @classmethod
@@ -54,9 +58,12 @@ class PluginSettings:
         policy = block.get("graph_failure")
         if policy is not None and policy not in GRAPH_FAILURE_POLICIES:
             raise ConfigError(f"{where}.graph_failure={policy!r}; allowed: {list(GRAPH_FAILURE_POLICIES)}")
+        schedule = block.get("k_schedule", "auto")
+        if schedule not in K_SCHEDULES:
+            raise ConfigError(f"{where}.k_schedule={schedule!r}; allowed: {list(K_SCHEDULES)}")
         return cls(enabled=block.get("enabled", True), warmup=block.get("warmup", True),
                    collect_stats=block.get("collect_stats", False), stats_dir=stats_dir,
-                   stats_interval_s=float(interval), graph_failure=policy,
+                   stats_interval_s=float(interval), graph_failure=policy, k_schedule=schedule,
                    graph=GraphModeConfig.from_dict(extra.get(GRAPH_CONFIG_KEY)))
 
     def batch_sizes(self, max_num_seqs: int, num_speculative_tokens: int = 0, token_multiple: int = 1) -> list[int]:

@@ -98,18 +98,20 @@ class AscendSpecV2Mixin(DraftCoreMixin):
         t0 = time.perf_counter()
         b = input_batch.num_reqs
         reason = self._fallback_reason(k, aux_hidden_states, input_batch, bool(is_profile), mm_inputs, dp_synced)
+        k = self._draft_k if k is None else k
         spans = input_batch.num_scheduled_tokens[:b]  # host (numpy): the runner's own schedule
-        decode = bool((spans == 1 + self._draft_k).all())
+        decode = bool((spans == 1 + k).all())
         if reason is None and dummy_run:
             self._inert_draft(b)
             self.draft_tokens[:b].zero_()
             out = self.draft_tokens[:b]
         elif reason is None:
-            width = max(int(spans.max()), 1 + self._draft_k)
+            width = max(int(spans.max()), 1 + k)
             with self._draft_context(b, width):
                 draft = self._propose_ours(input_batch, slot_mappings, last_hidden_states, num_sampled,
-                                           num_rejected, last_sampled, next_prefill_tokens, width, decode)
-            self.draft_tokens[:b] = draft
+                                           num_rejected, last_sampled, next_prefill_tokens, width, decode, k)
+            # a step drafting fewer than K_max: the runner marks the columns past K unused (-1)
+            self.draft_tokens[:b, :k] = draft
             out = self.draft_tokens[:b]
         else:
             out = theirs()
@@ -128,8 +130,8 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             return "disabled"
         if self._ascend is None or is_profile:
             return "not_built"  # the profile run sizes memory before the KV pool (and ours) exist
-        if k is not None and k != self._draft_k:
-            return "dynamic_k"
+        if self._chain(self._draft_k if k is None else k) is None:
+            return "dynamic_k"  # a K of a schedule our chains were not built for
         if self.draft_logits is not None:
             return "probabilistic_draft"  # the rejection sampler reads the draft logits V2 caches
         if aux_hidden_states or mm_inputs is not None:
@@ -146,9 +148,9 @@ class AscendSpecV2Mixin(DraftCoreMixin):
 
     def _propose_ours(self, input_batch: Any, slot_mappings: Any, hidden: torch.Tensor, num_sampled: torch.Tensor,
                       num_rejected: torch.Tensor, last_sampled: torch.Tensor, next_prefill_tokens: torch.Tensor,
-                      width: int, decode: bool) -> torch.Tensor:
-        b, k = input_batch.num_reqs, self._draft_k
-        q = 1 + k
+                      width: int, decode: bool, k: int) -> torch.Tensor:
+        b, q = input_batch.num_reqs, 1 + k
+        chain = self._chain(k)
         qsl = input_batch.query_start_loc[: b + 1].long()
         idx = input_batch.idx_mapping[:b].long()
         slots_flat = v2_draft_slots(slot_mappings, self._ascend_layer, self.block_tables, self._draft_group)
@@ -162,7 +164,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             pos = input_batch.positions[:n].view(b, q).long()
             hid = hidden[:n].view(b, q, -1)
             slots = slots_flat[:n].view(b, q).long()
-            if self._ascend.graph.rows_for(b) is None:
+            if chain.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:
                 self.ascend_stats.graph_calls += 1
@@ -170,16 +172,16 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             ids, pos, hid, slots = pad_ragged(qsl, width, hidden.device, [
                 (input_batch.input_ids, 0), (input_batch.positions, 0), (hidden, 0.0), (slots_flat, -1)])
             ids, pos, slots = ids.long(), pos.long(), slots.long()
-            if self._ascend.graph_serves(b, width):
+            if chain.graph_serves(b, width):
                 self.ascend_stats.graph_calls += 1
             else:
                 self.ascend_stats.eager_calls += 1
         upper = input_batch.seq_lens_cpu_upper_bound[:b]  # host: never short of the exact device lengths
         block = self._block_size
-        full = self._ascend.table_width
-        cols = table_width(int(upper.max()) + k, full, block, self._ascend.backend.shapes.trim_context)
+        full = chain.table_width
+        cols = table_width(int(upper.max()) + k, full, block, chain.backend.shapes.trim_context)
         lens_host = None
-        if self._ascend.model.takes_host_lengths:
+        if chain.model.takes_host_lengths:
             spans = input_batch.num_scheduled_tokens[:b].tolist()
             lens_host = tuple(u - n + ids.shape[1] for u, n in zip(upper.tolist(), spans))
         table = self.block_tables.input_block_tables[self._draft_group][:b]
@@ -187,7 +189,7 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             target_token_ids=ids, target_positions=pos, target_hidden_states=hid, target_slot_mapping=slots,
             next_token_ids=next_ids, token_indices_to_sample=sample_in_span.clamp(0, ids.shape[1] - 1),
             block_table=fit_width(table, cols), seq_lens=input_batch.seq_lens[:b].long(), seq_lens_host=lens_host)
-        return self._run_ours(inputs)
+        return self._run_ours(inputs, k)
 
 
 def build_speculator_class(base: type, mixin: type = AscendSpecV2Mixin,

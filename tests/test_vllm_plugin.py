@@ -89,6 +89,12 @@ CONFIGS = [
     {"name": "ours_k2_rehearsal", "drafter": "ours", "k": 2, "graph": {**GRAPH, "backend": "torchair-rehearsal"},
      **SHORT},
     # one graph bucket (1 request) for batches of up to 4: steady-state decode runs eagerly, with a warning
+    # K per batch size: measured by ours (sync and async), and as a user wrote it (batch 1-2: K = 2, 3-4: K = 1)
+    {"name": "ours_auto", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {"k_schedule": "auto"}, **SHORT},
+    {"name": "ours_auto_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH,
+     "ascend": {"k_schedule": "auto"}, **SHORT},
+    {"name": "ours_user_schedule", "drafter": "ours", "k": 2, "graph": GRAPH,
+     "spec": {"num_speculative_tokens_per_batch_size": [[1, 2, 2], [3, 4, 1]]}, **SHORT},
     {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
     # three compiled draft-graph calls raise after running (injected): under the users' policy those steps rerun
     # eagerly (the suite's own default is strict)
@@ -106,8 +112,9 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, dict]:
-    """Over 90 s: fifteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
-    shape policy, one bucket, graph faults, a missing API), and the compile of our K = 2 draft graphs."""
+    """Over 90 s: eighteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
+    shape policy, one bucket, graph faults, a missing API, K per batch size), and the compile of our K = 2 and
+    K = 1 draft graphs."""
     tmp = tmp_path_factory.mktemp("vllm_runs")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(for_tier(request, CONFIGS)).replace("STATS_DIR", str(tmp / "stats")))
@@ -321,3 +328,35 @@ def test_failing_draft_graph_reruns_eagerly(runs):
     warnings = [line for line in ENGINE_LOG["text"].splitlines()
                 if "draft: compiled graph for batch size" in line and "InjectedFault" in line]
     assert 1 <= len(warnings) <= len(stats["buckets"]), warnings  # once per failing bucket, not per failure
+
+
+def test_measured_k_per_batch_size_drafts_every_k_with_ours_and_keeps_no_specs_tokens(runs):
+    """``k_schedule: auto`` (the default where the user wrote no schedule): the scheduler asks K per batch size
+    from ours, which sweeps K = 2, 1, 0 per bucket, then chooses; every K is drafted by our chains (none handed to
+    vLLM's drafter), sync and async, and greedy tokens stay no-spec's whatever K each step ran."""
+    ref = ok(runs, "none")
+    for name in ("ours_auto", "ours_auto_async"):
+        r = ok(runs, name)
+        assert r["tokens"] == ref["tokens"], f"{name}: {first_divergence(ref, r)}"
+        d = r["drafter"][0]
+        assert d["draft_chains"] == [1, 2] and d["fallback_calls"] == 0, (name, d["fallbacks_by_reason"])
+        assert set(d["drafts_by_k"]) == {"0", "1", "2"}, (name, d["drafts_by_k"])
+        (schedule,) = r["schedule"]
+        ran = {key.split(":")[1] for key in schedule["steps"]}
+        assert ran == {"0", "1", "2"}, (name, schedule["steps"])
+        swept = [costs for costs in schedule["step_seconds"].values() if set(costs) == {"0", "1", "2"}]
+        assert swept and all(c > 0 for costs in swept for c in costs.values()), (name, schedule["step_seconds"])
+        assert schedule["offered"][0] > 0, schedule
+
+
+def test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours(runs):
+    """``num_speculative_tokens_per_batch_size`` set by the user: vLLM's scheduler runs it as written (ours keeps
+    no schedule), our drafter builds a chain per K it names and drafts each. A fixed K builds only K_max's."""
+    ref, r = ok(runs, "none"), ok(runs, "ours_user_schedule")
+    assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
+    assert r["schedule"] == []
+    d = r["drafter"][0]
+    assert d["draft_chains"] == [1, 2] and d["fallback_calls"] == 0, d["fallbacks_by_reason"]
+    assert set(d["drafts_by_k"]) == {"1", "2"}, d["drafts_by_k"]
+    fixed = ok(runs, "ours_k2")
+    assert fixed["drafter"][0]["draft_chains"] == [2] and fixed["schedule"] == []
