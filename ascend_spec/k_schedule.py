@@ -23,22 +23,11 @@ def nominal_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple([*sizes, max(1, max_batch)])
 
 
-class _NothingDeferred:
-    """Every K's graphs are compiled at start where the scheduler is not ours: the policy defers none."""
-
-    deferred: frozenset[int] = frozenset()
-
-    def compile_deferred(self, k: int, why: str) -> None:
-        raise AssertionError(f"K = {k} is never deferred here ({why})")
-
-
-NOTHING_DEFERRED = _NothingDeferred()
-
-
 @dataclass
 class MeasuredSchedule:
     """K per batch bucket in 0..``k_max``: each bucket first runs every K for ``SWEEP_STEPS`` clean steps (from
-    K_max down), which seeds its step costs; from then on :class:`.k_policy.KPolicy` decides, as in our engine."""
+    K_max down), which seeds its step costs; from then on the K policy's rule decides (``policy.costs``, the
+    running acceptance ``policy.acceptance``), as in our engine. Every K's graphs are compiled at start."""
 
     k_max: int
     max_batch: int
@@ -59,9 +48,16 @@ class MeasuredSchedule:
         return len(self.policy.step_seconds.get(bucket, {})) == self.k_max + 1
 
     def k_for(self, batch: int, in_step: float = 1.0) -> int:
-        """The K to draft in a step of ``batch`` requests (``in_step``: see :func:`.adaptive.rows_apart_cost`)."""
+        """The K to draft in a step of ``batch`` requests (``in_step``: see :func:`.adaptive.rows_apart_cost`).
+        The sweep is this schedule's learning phase: it verified drafts at every K, so the policy's own (drafting
+        until ``LEARN_DRAFTS`` first drafts were verified, K = 0 never weighed) is not run again."""
         b = self.bucket(batch)
-        k = self.policy.k_for(b, None, NOTHING_DEFERRED, in_step) if self._swept(b) else self._under_sweep(b)
+        if self._swept(b):
+            k = self.policy.costs.k_for(b, self.policy.acceptance.rates(), in_step)
+            if k == 0:  # acceptance is learned from explorations alone now: what they verify must count
+                self.policy.acceptance.age()
+        else:
+            k = self._under_sweep(b)
         self.steps[(b, k)] += 1
         return k
 

@@ -51,9 +51,11 @@ class MtpProposer:
     """Eager MTP drafter (the reference). ``MtpTorchairProposer`` replays compiled graphs per bucket."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, spec: SpeculativeConfig, max_model_len: int,
-                 draft_cache: LatentCache) -> None:
+                 draft_cache: LatentCache, num_speculative_tokens: int | None = None) -> None:
         self.spec = spec
-        self.num_speculative_tokens = spec.num_speculative_tokens
+        #: the chain's K: ``spec``'s, or another a scheduler may ask for (0: the MTP layer's cache writes only)
+        self.num_speculative_tokens = spec.num_speculative_tokens if num_speculative_tokens is None else \
+            num_speculative_tokens
         self.max_model_len = max_model_len
         #: the draft chain's ``max_len`` input, per row count
         self.row_limits = RowLimits(max_model_len)

@@ -25,12 +25,13 @@ class MtpTorchairProposer(MtpProposer):
     def __init__(self, model: DeepseekV3ForCausalLM, spec: SpeculativeConfig, max_model_len: int,
                  draft_cache: LatentCache, *, backend: Backend | None = None,
                  batch_sizes: list[int] | None = None,
-                 prefill_widths: Sequence[int] = DEFAULT_PREFILL_QUERY_WIDTHS) -> None:
+                 prefill_widths: Sequence[int] = DEFAULT_PREFILL_QUERY_WIDTHS,
+                 num_speculative_tokens: int | None = None) -> None:
         self.backend = backend or get_backend("auto", cache_tensors(draft_cache)[0].device)
         self.batch_sizes = sorted(batch_sizes or [1, 2, 4, 8])
         #: query widths (tokens per request) prefill and mixed batches replay a graph for, besides 1 + K
         self.prefill_widths = tuple(prefill_widths)
-        super().__init__(model, spec, max_model_len, draft_cache)
+        super().__init__(model, spec, max_model_len, draft_cache, num_speculative_tokens)
 
     def load_model(self, model: DeepseekV3ForCausalLM) -> None:
         model.use_backend(self.backend)

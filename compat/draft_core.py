@@ -214,14 +214,12 @@ class DraftCoreMixin:
         k = self._draft_k
         sizes = s.batch_sizes(self.vllm_config.scheduler_config.max_num_seqs, k, token_multiple=self._ascend_tp)
         backend.store = self._graph_store(backend, sizes)
-        # One draft chain per K the scheduler may ask for (K = 0 runs K = 1's and drops its draft), K_max first.
-        chains = sorted({max(j, 1) for j in draft_ks(self.vllm_config, k)}, reverse=True)
+        # One draft chain per K the scheduler may ask for (K = 0: the MTP layer's cache writes only), K_max first.
+        spec = SpeculativeConfig(method="deepseek_mtp", num_speculative_tokens=k)
         self._ascend_chains = {
-            j: MtpTorchairProposer(self._ascend_model, SpeculativeConfig(method="deepseek_mtp",
-                                                                         num_speculative_tokens=j),
-                                   self.max_model_len, cache, backend=backend, batch_sizes=sizes,
-                                   prefill_widths=g.prefill_query_widths)
-            for j in chains}
+            j: MtpTorchairProposer(self._ascend_model, spec, self.max_model_len, cache, backend=backend,
+                                   batch_sizes=sizes, prefill_widths=g.prefill_query_widths, num_speculative_tokens=j)
+            for j in sorted(draft_ks(self.vllm_config, k), reverse=True)}
         self._ascend = self._ascend_chains[k]
         self._ascend_cache_bound = False
         self.ascend_stats.buckets = list(sizes)
@@ -363,12 +361,12 @@ class DraftCoreMixin:
             self._ascend_stats_file.maybe_write()
 
     def _chain(self, k: int) -> MtpTorchairProposer | None:
-        """Our draft chain for a step drafting K = ``k`` (K = 0: K = 1's, its draft dropped); None if not built."""
-        return self._ascend_chains.get(max(k, 1))
+        """Our draft chain for a step drafting K = ``k``; None if not built."""
+        return self._ascend_chains.get(k)
 
     def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
         """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.
-        K = 0 still runs the first pass: it writes the verified positions' draft KV, which later drafts read."""
+        K = 0 still runs the MTP layer over the verified tokens: it writes their draft KV, which later drafts read."""
         if not self._ascend_cache_bound:
             self._bind_cache()
         chain = self._chain(k)
@@ -378,7 +376,7 @@ class DraftCoreMixin:
         st.graph_failures = sum(c.graph.num_failures for c in self._ascend_chains.values())
         st.graph_host_ops = len(chain.backend.lint.findings)
         st.drafts_by_k[k] = st.drafts_by_k.get(k, 0) + 1
-        return draft[:, :k]
+        return draft
 
     def _count_call(self, seconds: float, decode: bool, reason: str | None) -> None:
         """Stats of one ``propose``: ``reason`` names why vLLM's drafter ran it (None: ours did)."""

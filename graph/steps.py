@@ -109,6 +109,8 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
     lengths of kernels that read them, and only theirs (closed over only where the model takes host lengths).
     """
     host_cap = max_model_len if model.takes_host_lengths else None
+    if num_speculative_tokens == 0:
+        return _kv_only_draft_step(model)
 
     def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
                    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -147,5 +149,21 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
             tokens.append(token)
             all_logits.append(logits)
         return torch.stack(tokens, dim=1), torch.stack(all_logits, dim=1)
+
+    return draft_step
+
+
+def _kv_only_draft_step(model: DeepseekV3ForCausalLM) -> DraftStep:
+    """K = 0 (a step whose scheduler asked for no drafts): the MTP layer over the verified batch writes its cache
+    entries, which later drafts attend to, and nothing is sampled (no vocabulary product), as vLLM's drafter does."""
+
+    def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
+                   slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   max_len: torch.Tensor, cache: LatentCache, seq_lens_host: HostLengths = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
+        h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]: its cache writes are the point
+        tokens = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
+        return tokens, h.new_zeros(h.shape[0], 0, model.cfg.vocab_size)
 
     return draft_step

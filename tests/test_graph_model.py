@@ -122,6 +122,29 @@ def test_draft_chain_writes_only_its_own_slots():
     assert written == set(slots[:2].flatten().tolist()) | chained, (sorted(written), sorted(chained))
 
 
+def test_a_k_0_draft_writes_the_verified_tokens_cache_entries_as_the_chain_first_step_does_and_samples_none():
+    """K = 0, the draft of a step whose scheduler asked for no drafts (vLLM's per-batch-size K): the MTP layer's
+    cache entries of the verified tokens, the very values K = 2's first step writes, nothing else, no draft."""
+    model = random_model()
+    block = 16
+    table = torch.tensor([[1, 2], [3, 4], [0, 0]])
+    pos = torch.tensor([[15], [7], [0]])
+    slots = torch.tensor([[1 * block + 15], [3 * block + 7], [-1]])
+    ids = torch.randint(1, TINY.vocab_size, (3, 1))
+    hidden = torch.randn(3, 1, TINY.hidden_size)
+    seq_lens, sample_idx = torch.tensor([16, 8, 0]), torch.zeros(3, dtype=torch.long)
+    start = torch.randn(6, block, 576)
+    caches = {k: start.clone() for k in (0, 2)}
+    with torch.no_grad():
+        drafts = {k: make_draft_step(model, k, 64)(ids, pos, hidden, sample_idx, slots, table, seq_lens,
+                                                   torch.full_like(seq_lens, 64), caches[k])[0] for k in (0, 2)}
+    assert drafts[0].shape == (3, 0) and drafts[2].shape == (3, 2)
+    written = set((caches[0] != start).any(-1).flatten().nonzero().flatten().tolist())
+    assert written == {1 * block + 15, 3 * block + 7}
+    for s in written:
+        assert torch.equal(caches[0].view(-1, 576)[s], caches[2].view(-1, 576)[s])
+
+
 def test_pad_rows_are_finite_and_inert():
     model = random_model()
     caches = tuple(torch.zeros(4, 16, 576) for _ in range(2))

@@ -113,8 +113,8 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, dict]:
     """Over 90 s: eighteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
-    shape policy, one bucket, graph faults, a missing API, K per batch size), and the compile of our K = 2 and
-    K = 1 draft graphs."""
+    shape policy, one bucket, graph faults, a missing API, K per batch size), and the compile of our K = 2, 1 and
+    0 draft graphs."""
     tmp = tmp_path_factory.mktemp("vllm_runs")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(for_tier(request, CONFIGS)).replace("STATS_DIR", str(tmp / "stats")))
@@ -333,13 +333,14 @@ def test_failing_draft_graph_reruns_eagerly(runs):
 def test_measured_k_per_batch_size_drafts_every_k_with_ours_and_keeps_no_specs_tokens(runs):
     """``k_schedule: auto`` (the default where the user wrote no schedule): the scheduler asks K per batch size
     from ours, which sweeps K = 2, 1, 0 per bucket, then chooses; every K is drafted by our chains (none handed to
-    vLLM's drafter), sync and async, and greedy tokens stay no-spec's whatever K each step ran."""
+    vLLM's drafter; K = 0's writes the MTP cache only), sync and async, and greedy tokens stay no-spec's whatever
+    K each step ran."""
     ref = ok(runs, "none")
     for name in ("ours_auto", "ours_auto_async"):
         r = ok(runs, name)
         assert r["tokens"] == ref["tokens"], f"{name}: {first_divergence(ref, r)}"
         d = r["drafter"][0]
-        assert d["draft_chains"] == [1, 2] and d["fallback_calls"] == 0, (name, d["fallbacks_by_reason"])
+        assert d["draft_chains"] == [0, 1, 2] and d["fallback_calls"] == 0, (name, d["fallbacks_by_reason"])
         assert set(d["drafts_by_k"]) == {"0", "1", "2"}, (name, d["drafts_by_k"])
         (schedule,) = r["schedule"]
         ran = {key.split(":")[1] for key in schedule["steps"]}

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Does MTP pay inside vLLM as users run it? Ours with the measured K per batch size against no speculation and
+vLLM's drafter at each fixed K, 0 included (a hand-written schedule at one batch size is one K), in vLLM's CPU
+engine with its compile on.
+
+    python tools/bench_vllm_schedule.py                 # batch 1 and 8, K_max 3, 2 rounds
+    python tools/bench_vllm_schedule.py --batches 8 --rounds 3 --json out.json
+
+One harness process runs every engine, the contenders of a batch size one after the other in an order that rotates
+from round to round. Each engine generates ``--repeat`` times; the first ``--warmup-calls`` calls are not timed (our
+schedule sweeps and learns there, as it does in a server's first minutes; ``--learned``, the default, leaves the
+learnings it saved in the compile cache for the next engine, as a restarted server finds them). Prints tokens/s
+(medians over rounds of each engine's median call) and ours ÷ no-spec, ours ÷ the best of vLLM's drafter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from ascend_spec_tools.vllm_harness import PROMPTS  # noqa: E402  pure Python: no vLLM import here
+
+
+def contenders(batch: int, k_max: int, vllm_ks: list[int], max_tokens: int, repeat: int) -> list[dict]:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(max(batch, 2))]
+    common = {"prompts": prompts, "max_tokens": max_tokens, "repeat": repeat,
+              "llm": {"max_num_seqs": batch, "enforce_eager": False}}
+    runs = [{"name": f"b{batch}_none", "drafter": "none", **common},
+            {"name": f"b{batch}_ours_auto", "drafter": "ours", "k": k_max, "ascend": {"k_schedule": "auto"},
+             **common}]
+    # K = 0 for vLLM's drafter is a schedule the user wrote: vLLM then runs its MTP layer for the cache only
+    runs += [{"name": f"b{batch}_vllm_k{k}", "drafter": "vllm", "k": k or 1, **common,
+              **({"spec": {"num_speculative_tokens_per_batch_size": [[1, batch, 0]]}} if k == 0 else {})}
+             for k in vllm_ks]
+    return runs
+
+
+def timed(result: dict, warmup_calls: int) -> float:
+    """tokens/s of the engine: the median of its calls after the warm-up ones."""
+    if "error" in result:
+        raise SystemExit(f"{result['name']}: {result['error']}")
+    return statistics.median(result["tokens_per_s"][warmup_calls:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8", help="comma list of batch sizes (max_num_seqs, and prompts)")
+    ap.add_argument("--k-max", type=int, default=3, help="num_speculative_tokens of ours (its schedule's K_max)")
+    ap.add_argument("--vllm-ks", default="0,1,2,3", help="vLLM's drafter at each of these fixed K")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=5, help="generate calls per engine")
+    ap.add_argument("--warmup-calls", type=int, default=2, help="untimed first calls of each engine")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="write the raw results here")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    vllm_ks = [int(k) for k in args.vllm_ks.split(",")]
+    configs = []
+    for r in range(args.rounds):
+        for batch in batches:
+            runs = contenders(batch, args.k_max, vllm_ks, args.max_tokens, args.repeat)
+            shift = r % len(runs)
+            configs += [{**c, "name": f"{c['name']}#{r}"} for c in runs[shift:] + runs[:shift]]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, out = Path(tmp) / "configs.json", Path(tmp) / "results.json"
+        cfg.write_text(json.dumps(configs))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out)],
+                       cwd=REPO, env=env, check=True)
+        results = json.loads(out.read_text())
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    by_name: dict[str, list[float]] = {}
+    schedules: dict[str, list] = {}
+    for res in results:
+        name = res["name"].split("#")[0]
+        by_name.setdefault(name, []).append(timed(res, args.warmup_calls))
+        if res.get("schedule"):
+            schedules.setdefault(name, []).append(res["schedule"][0]["steps"])
+    print(f"\ntokens/s, medians of {args.rounds} rounds (calls after the first {args.warmup_calls} of each engine)\n")
+    print("| batch | no-spec | " + " | ".join(f"vLLM K={k}" for k in vllm_ks)
+          + " | ours (auto) | ours ÷ no-spec | ours ÷ best vLLM | ours ÷ best of all |")
+    print("|---" * (6 + len(vllm_ks)) + "|")
+    for batch in batches:
+        med = {n: statistics.median(v) for n, v in by_name.items() if n.startswith(f"b{batch}_")}
+        none, ours = med[f"b{batch}_none"], med[f"b{batch}_ours_auto"]
+        theirs = [med[f"b{batch}_vllm_k{k}"] for k in vllm_ks]
+        best = max(theirs)
+        print(f"| {batch} | {none:.0f} | " + " | ".join(f"{t:.0f}" for t in theirs)
+              + f" | {ours:.0f} | {ours / none:.2f}× | {ours / best:.2f}× | {ours / max(best, none):.2f}× |")
+    for name, steps in schedules.items():
+        print(f"{name}: steps per bucket:K {steps[-1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
