@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -86,12 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
     add_inspect_parser(sub)
-    c = sub.add_parser("cache", help="the on-disk cache of compiled graphs ($ASCEND_SPEC_CACHE_DIR, "
-                                     "default ~/.cache/ascend-spec)")
+    c = sub.add_parser("cache", help="the on-disk cache of compiled graphs and adaptive K's learnings "
+                                     "($ASCEND_SPEC_CACHE_DIR, default ~/.cache/ascend-spec)")
     actions = c.add_subparsers(dest="action", required=True)
     info = actions.add_parser("info", help="the cache folder, its entries (label, size, age) and total size")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    actions.add_parser("clear", help="remove every cached compiled graph (the next run compiles again)")
+    clear = actions.add_parser("clear", help="remove every cached compiled graph and adaptive K's learnings (the "
+                                             "next run compiles and learns again)")
+    clear.add_argument("--learnings", action="store_true",
+                       help="remove only adaptive K's learnings (acceptance and step costs kept from earlier runs)")
     c.set_defaults(func=cmd_cache)
     return ap
 
@@ -244,13 +248,50 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s ago"
 
 
+def _k_values(ks: list[int]) -> str:
+    if len(ks) > 1 and ks == list(range(ks[0], ks[-1] + 1)):
+        return f"{ks[0]}-{ks[-1]}"
+    return ", ".join(map(str, ks)) or "none"
+
+
+def _learnings_info(entry) -> dict:  # noqa: ANN001 - compile_cache.EntryInfo
+    """What a learnings entry holds, for ``cache info``: buckets, K values, drafts recorded, acceptance."""
+    from .graph.backends.cache_entry import BadEntry
+    from .learnings import Learnings
+
+    info = {"digest": entry.digest, "what": entry.what, "path": str(entry.path), "size_bytes": entry.size,
+            "age_seconds": round(entry.age_seconds), "problem": entry.problem}
+    if entry.problem:
+        return info
+    try:
+        learned = Learnings.from_entry_file(entry.path)
+    except (BadEntry, ValueError, OSError) as exc:
+        return {**info, "problem": f"unreadable ({exc})"}
+    buckets = sorted(learned.step_seconds.keys() | learned.steps.keys())
+    ks = sorted({k for costs in learned.step_seconds.values() for k in costs})
+    rates = [round(a / o, 3) if o else None for a, o in zip(learned.accepted, learned.offered)]
+    return {**info, "k_max": learned.k_max, "buckets": buckets, "k_values": ks, "drafts": learned.drafts,
+            "acceptance": rates}
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     # CacheDirError (a folder others can write) is a ValueError: main prints it and exits 2.
     from .graph.backends.compile_cache import CompileCache, folder_size
+    from .learnings import Learnings
 
     cache = CompileCache()
     entries = cache.entries()
+    learned = [e for e in entries if (e.what or "").startswith(Learnings.LABEL_PREFIX)]
     inductor_bytes = folder_size(cache.inductor_dir) if cache.inductor_dir.is_dir() else 0
+    if args.action == "clear" and args.learnings:
+        freed = 0
+        for e in learned:
+            with contextlib.suppress(FileNotFoundError):
+                e.path.unlink()
+                freed += e.size
+                print(f"removed {e.path} ({e.what}, {_size(e.size)})")
+        print(f"freed {_size(freed)} in {cache.root} (learnings only)")
+        return 0
     if args.action == "clear":
         freed = cache.clear()
         for e in entries:
@@ -267,17 +308,31 @@ def cmd_cache(args: argparse.Namespace) -> int:
                          "torch_version": e.torch_version, "variants": e.variants, "path": str(e.path),
                          "problem": e.problem}
                         for e in entries],
+            "learnings": [_learnings_info(e) for e in learned],
             "inductor_dir": str(cache.inductor_dir), "inductor_bytes": inductor_bytes, "total_bytes": total,
         }, indent=2))
         return 0
     print(f"compile cache: {cache.root}")
     for e in entries:
+        if e in learned:
+            continue
         note = f"  ({e.problem}: removed at the next load)" if e.problem else ""
         kind = f"{e.variants} variant(s)" if e.variants is not None else "artifacts"
         print(f"  {e.digest}  {e.what or '?':<32} {kind:>12} {_size(e.size):>10}  {_age(e.age_seconds):>8}  "
               f"torch {e.torch_version or '?'}{note}")
     if inductor_bytes:
         print(f"  inductor working cache {cache.inductor_dir}: {_size(inductor_bytes)}")
+    if learned:
+        print("learnings (adaptive K):")
+    for info in map(_learnings_info, learned):
+        if info["problem"]:
+            what = f"({info['problem']}: removed at the next load)"
+        else:
+            rates = ", ".join("-" if r is None else f"{r:.2f}" for r in info["acceptance"])
+            what = (f"K_max {info['k_max']}, buckets {', '.join(map(str, info['buckets'])) or 'none'}, "
+                    f"K {_k_values(info['k_values'])}, {info['drafts']} drafts (acceptance {rates})")
+        print(f"  {info['digest']}  {info['what'] or '?':<20} {what} {_size(info['size_bytes']):>10}  "
+              f"{_age(info['age_seconds']):>8}")
     print(f"total: {len(entries)} entries, {_size(total)}")
     return 0
 

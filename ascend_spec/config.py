@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -173,6 +174,19 @@ WARM_GRAPHS = ("all", "first")
 #: largest KV block size the engine takes (vllm-ascend's MLA kernel block is 128)
 MAX_BLOCK_SIZE = 1024
 
+#: ``EngineConfig.keep_learnings`` where the config leaves it None: 0 or 1 (unset: 1)
+KEEP_LEARNINGS_ENV = "ASCEND_SPEC_KEEP_LEARNINGS"
+
+
+def resolve_keep_learnings(setting: bool | None) -> bool:
+    """``keep_learnings``: the setting when given, else ``$ASCEND_SPEC_KEEP_LEARNINGS`` (0 or 1), else True."""
+    if setting is not None:
+        return setting
+    value = os.environ.get(KEEP_LEARNINGS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{KEEP_LEARNINGS_ENV}={value!r}; allowed: 0, 1 or unset (1)")
+    return value != "0"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -203,8 +217,15 @@ class EngineConfig:
     #: a compiled graph that fails, or needs the host (graph lint): ``eager`` reruns the step eagerly and counts it,
     #: ``raise`` raises; None: ``$ASCEND_SPEC_GRAPH_FAILURE``, else ``eager`` (``ascend_spec.graph.backends.base``)
     graph_failure: str | None = None
+    #: adaptive K starts from what earlier runs on this model and host learned (acceptance, step costs) and keeps
+    #: what this one learns, in the compile cache's folder (``ascend_spec.learnings``; off with the cache); None:
+    #: ``$ASCEND_SPEC_KEEP_LEARNINGS`` (0 or 1; the test suite sets 0), else True
+    keep_learnings: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.keep_learnings is not None and not isinstance(self.keep_learnings, bool):
+            raise ConfigError(f"keep_learnings={self.keep_learnings!r}; allowed: True, False or None "
+                              f"(${KEEP_LEARNINGS_ENV}, else True)")
         for key, low in (("max_model_len", 2), ("max_num_seqs", 1)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -3,17 +3,20 @@ A turn of its loop: the scheduler plans (``schedule``), the runner runs the plan
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, resolve_keep_learnings
 from .graph.backends import Backend
+from .graph.backends.compile_cache import CacheKey, open_default_cache
 from .graph.model import DeepseekV3ForCausalLM
 from .k_policy import AcceptanceTracker, KPolicy
 from .kv_cache import BlockManager, KVCaches
+from .learnings import Learnings, LearningsStore, learnings_key
 from .metrics import RunStats, SpecMetrics
 from .runner import ModelRunner
 from .warmup import WarmupReport, dynamo_compile_count
@@ -21,6 +24,11 @@ from .sampling import GREEDY, RANDOM, SamplingParams, make_generator
 from .scheduler import Scheduler, Sequence
 
 __all__ = ["AcceptanceTracker", "Engine", "RequestOutput", "RunStats", "dynamo_compile_count", "load_engine"]
+
+log = logging.getLogger(__name__)
+
+#: ``learnings_key``'s flavour of this engine's entries (vLLM's drafter keeps its own)
+LEARNINGS_FLAVOUR = "engine"
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,12 @@ class Engine:
         self._warm_modes: set[tuple[str, bool]] = set()
         self._compiles_at_warmup = 0
         self._pending_report: WarmupReport | None = None
+        #: where adaptive K's learnings are kept (None: not kept), what was loaded (its step costs join warm-up's),
+        #: and whether the policy's counts already hold the saved entry's (seeded from it, or saved once)
+        self.learnings: tuple[LearningsStore, CacheKey] | None = None
+        self._learned: Learnings | None = None
+        self._learned_included = False
+        self._open_learnings()
 
     # -- what the runner holds, for callers and tests --------------------------------------------------
     @property
@@ -101,8 +115,11 @@ class Engine:
         warm = self.runner.warm
         rows = lone and not warm.lone or batched and not warm.batched
         if new or rows or warm.prompts_unwarmed(prompts):
+            held = self._held_costs()
             report = warm.run(progress=progress, modes=new or modes, logprobs=logprobs, lone=lone,
                               batched=batched, prompts=prompts)
+            if held is not None:  # warm-up's rough figures fill in only what the run's (or an earlier's) lack
+                held.seed(self.k_policy, acceptance=False)
             self._warm_modes.update((m, logprobs) for m in (new or modes))
             self._compiles_at_warmup = dynamo_compile_count()
             self._pending_report = report
@@ -221,7 +238,52 @@ class Engine:
             stats.recompiles_after_warmup = (dynamo_compile_count() - max(compiles_before, self._compiles_at_warmup)
                                              - stats.deferred_compiles)
         outputs = [RequestOutput(s.prompt_ids, s.output_ids, s.finish_reason or "length", s.logprobs) for s in seqs]
+        self.save_learnings()
         return outputs, stats, metrics
+
+    # -- learnings: what adaptive K learned, kept across runs (``ascend_spec.learnings``) ----------------------
+    def _open_learnings(self) -> None:
+        """Seed the K policy's acceptance from this model's and host's saved learnings (their step costs join
+        warm-up's when it has timed the steps). Adaptive K with the compile cache on."""
+        if not (self.k_policy.adaptive and resolve_keep_learnings(self.cfg.keep_learnings)):
+            return
+        cache = self.runner.graphs.compile_cache or open_default_cache(inductor=False)
+        if cache is None:
+            return
+        key = learnings_key(self.model.cfg.to_hf_dict(), self.model, k_max=self.k_max, dtype=self.dtype,
+                            backend=self.backend_name, batch_sizes=self.k_policy.batch_sizes,
+                            flavour=LEARNINGS_FLAVOUR, device=self.device)
+        self.learnings = store, key = LearningsStore(cache), key
+        self._learned = store.load(key)
+        if self._learned is not None:
+            self._learned.seed(self.k_policy)
+            self._learned_included = True
+
+    def _held_costs(self) -> Learnings | None:
+        """The step costs a warm-up must not replace: the run's own once it has some, else the loaded ones."""
+        if self.learnings is None:
+            return None
+        return Learnings.from_policy(self.k_policy) if self.k_policy.step_seconds else self._learned
+
+    def save_learnings(self) -> Path | None:
+        """Save what adaptive K has learned (``generate`` does at its end); None when nothing is kept: learnings
+        off, nothing learned, or a forced K (its runs are not the policy's)."""
+        if self.learnings is None or self.k_policy.force_k is not None:
+            return None
+        store, key = self.learnings
+        learned = Learnings.from_policy(self.k_policy)
+        if not learned.learned_anything():
+            return None
+        if not self._learned_included:  # an entry saved since this engine started (another process): combine
+            earlier = store.load(key)
+            learned = learned.merge(earlier) if earlier is not None else learned
+        try:
+            path = store.save(key, learned)
+        except OSError as exc:  # a full disk must not fail a run that has produced its tokens
+            log.warning("learnings: could not save %s (%s); the next run learns afresh", key.what, exc)
+            return None
+        self._learned_included = True
+        return path
 
     def _warm(self, params: list[SamplingParams], hints: dict, stats: RunStats) -> float:
         """Warm what this run's requests replay (``warmup_for``) into ``stats``; returns the seconds it took."""

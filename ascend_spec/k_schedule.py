@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .k_policy import KPolicy
+from .learnings import Learnings
 
 #: clean steps (not the first after a change of K) each K needs in a bucket's sweep before its median stands
 SWEEP_STEPS = 4
@@ -36,6 +37,8 @@ class MeasuredSchedule:
     sweeps: dict[int, dict[int, list[float]]] = field(default_factory=dict)
     #: steps run per (bucket, K), every step counted (what the schedule did)
     steps: Counter = field(default_factory=Counter)
+    #: started from an earlier run's learnings
+    seeded: bool = False
 
     def __post_init__(self) -> None:
         self.policy = KPolicy(self.k_max, adaptive=True, batch_sizes=nominal_buckets(self.max_batch))
@@ -75,6 +78,19 @@ class MeasuredSchedule:
     def record(self, num_draft: int, num_accepted: int) -> None:
         """One request's step verified ``num_draft`` drafts and accepted ``num_accepted``."""
         self.policy.record(num_draft, num_accepted)
+
+    def seed(self, learned: Learnings) -> None:
+        """Start from what an earlier run learned: its acceptance, and each bucket's step costs it measured at every
+        K (that bucket skips its sweep)."""
+        learned.seed(self.policy)
+        self.seeded = True
+        for b, costs in learned.step_seconds.items():
+            if b in self.policy.batch_sizes and set(costs) == set(range(self.k_max + 1)):
+                self.policy.step_seconds[b] = dict(costs)
+
+    def learnings(self) -> Learnings:
+        """What this schedule knows now (a seed's included), to be kept for the next run."""
+        return Learnings.from_policy(self.policy)
 
     def chosen(self) -> dict[int, int]:
         """The K each bucket runs now (a bucket under its sweep: the K it sweeps)."""

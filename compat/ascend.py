@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 
-from . import ascend_hook
+from . import ascend_hook, schedule_k
 from .ascend_context import AscendNpuContextMixin
 from .drafter import AscendSpecMtpMixin, build_adapter_class
 from .runner_reach import patch_worker
@@ -148,7 +148,9 @@ def install() -> None:
     """Patch vllm-ascend's drafter factory, its V2 speculator and its worker's ``load_model`` now or when they are
     imported."""
     h = ascend_hook.hook()
+    schedule_k.runner_passes_k = runner_passes_k
     if FACTORY_MODULE not in h.patches:
+        h.watch(schedule_k.SCHEDULER_MODULE, schedule_k.patch_scheduler)  # vllm-ascend runs vLLM's scheduler
         h.watch(FACTORY_MODULE, _patch_factory_module)
         h.watch(RUNNER_MODULE, _patch_runner_module)
         for mod in V2_SPECULATOR_MODULES:
@@ -198,6 +200,17 @@ def propose_k(num_speculative_tokens: int | None, default: int) -> int:
     """K for this step: main passes ``num_speculative_tokens`` to ``_propose``; up to v0.25.1rc1 it is the
     drafter's own ``num_speculative_tokens``."""
     return default if num_speculative_tokens is None else int(num_speculative_tokens)
+
+
+@covers("ascend_propose_num_spec_tokens")
+def runner_passes_k() -> bool:
+    """Whether vllm-ascend's runner passes each step's K to the drafter's ``_propose`` (main); up to v0.25.1rc1 it
+    does not, so ours keeps K fixed there (``k_schedule`` auto needs it)."""
+    try:
+        base = getattr(importlib.import_module(PROPOSER_MODULE), PROPOSER)
+    except (ImportError, AttributeError):
+        return False
+    return "num_speculative_tokens" in inspect.signature(base._propose).parameters
 
 
 @covers("ascend_propose_num_spec_tokens")

@@ -163,7 +163,9 @@ def _kv_only_draft_step(model: DeepseekV3ForCausalLM) -> DraftStep:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]: its cache writes are the point
-        tokens = torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device)
-        return tokens, h.new_zeros(h.shape[0], 0, model.cfg.vocab_size)
+        # empty outputs made with dtypes every backend converts (GE declares no bf16 new_zeros)
+        rows = h.shape[0]
+        tokens = torch.zeros(rows, 0, dtype=torch.long, device=h.device)
+        return tokens, torch.zeros(rows, 0, model.cfg.vocab_size, dtype=torch.float32, device=h.device)
 
     return draft_step

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
+from ascend_spec.config import KEEP_LEARNINGS_ENV, EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import load_engine
 from ascend_spec.graph.backends.base import GRAPH_FAILURE_ENV
 from ascend_spec.graph.config import ModelConfig
@@ -21,6 +21,9 @@ from ascend_spec.sampling import SamplingParams
 # of rerunning eagerly; tests of the eager fallback ask for graph_failure="eager" themselves. Subprocesses (the vLLM
 # harness) inherit it.
 os.environ.setdefault(GRAPH_FAILURE_ENV, "raise")
+# Adaptive K starts afresh in every test: learnings an earlier test (or run) kept would change its choices. The
+# tests of learnings ask for them (tests/test_learnings.py).
+os.environ.setdefault(KEEP_LEARNINGS_ENV, "0")
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--plant-defect", default=None, metavar="NAME",

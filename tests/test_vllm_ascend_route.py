@@ -20,7 +20,7 @@ from ascend_spec.graph.backends import ShapePolicy
 from ascend_spec.graph.backends.lint import GraphLint
 from ascend_spec.graph.backends.rehearsal import RehearsalBackend
 
-from ascend_spec.compat import ascend, ascend_hook
+from ascend_spec.compat import ascend, ascend_hook, schedule_k
 from ascend_spec.config import ConfigError
 
 from . import vllm_ascend_standin as standin
@@ -53,6 +53,7 @@ def release(request, tmp_path, monkeypatch):
     ascend_hook.uninstall()
     standin.build(tag, tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(schedule_k, "runner_passes_k", schedule_k.runner_passes_k)  # install sets it
     ascend.install()
     yield tag
     standin.forget()
@@ -284,11 +285,13 @@ def recorded_inputs(qsl: list[int], seq_lens: list[int], tis: list[int], k: int 
                 scheduler_output=object(), num_scheduled_tokens=t, num_rejected_tokens_gpu=None)
 
 
-def built_adapter(k: int = 2):
+def built_adapter(k: int = 2, chains: tuple[int, ...] = ()):
+    """The adapter with recording draft chains: K's, and one per K in ``chains`` (a per-batch-size schedule's)."""
     import vllm_ascend.spec_decode as sd
 
     d = sd.get_spec_decode_method("mtp", vllm_config(True, k=k), "cpu", None)
-    d._ascend = RecordingDraft(k, torch.zeros(8, 16, 5))
+    d._ascend_chains = {j: RecordingDraft(j, torch.zeros(8, 16, 5)) for j in {k, *chains}}
+    d._ascend = d._ascend_chains[k]
     d._ascend_cache_bound = True
     return d
 
@@ -378,6 +381,26 @@ def test_propose_hands_what_it_cannot_draft_to_vllm_ascend(release):
     assert first.get("num_speculative_tokens", 2) == 2  # not passed by the runner: the drafter's own K
     assert d.ascend_stats.fallbacks_by_reason == {"context_parallel": 1, "dynamic_k": 1}
     assert not d._ascend.inputs
+
+
+def test_k_per_batch_size_where_the_runner_hands_each_steps_k_to_the_drafter(release):
+    """vllm-ascend runs vLLM's scheduler, so the measured K per batch size (``k_schedule`` auto) is installed there
+    too, where the runner passes each step's K to ``_propose`` (main); where it does not (up to v0.25.1rc1), K
+    stays fixed, as a step must draft what was scheduled. A step's K is drafted by that K's chain."""
+    from ascend_spec.compat import schedule_k
+
+    cfg = vllm_config(True, k=2)
+    cfg.speculative_config.num_speculative_tokens_per_batch_size = None
+    expected = "auto" if release == "main" else "fixed"
+    assert schedule_k.schedule_mode(cfg) == expected
+    assert schedule_k.draft_ks(cfg, 2) == ((0, 1, 2) if release == "main" else (2,))
+    if release != "main":
+        return
+    d = built_adapter(2, chains=(0, 1))
+    step = recorded_inputs([0, 2, 4], [13, 23], [0, 1], k=1)
+    out = d._propose(num_speculative_tokens=1, **step)
+    assert out.shape == (2, 1) and d.ascend_stats.fallback_calls == 0
+    assert len(d._ascend_chains[1].inputs) == 1 and not d._ascend_chains[2].inputs
 
 
 def test_initialize_attn_backend_passes_the_runners_block_size_on(release, monkeypatch):
@@ -539,6 +562,7 @@ def test_register_on_ascend_patches_the_factory_and_leaves_vllms_global(monkeypa
     ascend_hook.uninstall()
     before = gmr.EagleProposer
     monkeypatch.setattr(ascend, "on_ascend", lambda: True)
+    monkeypatch.setattr(schedule_k, "runner_passes_k", schedule_k.runner_passes_k)  # install sets it
     plugin.register()
     try:
         assert gmr.EagleProposer is before

@@ -163,6 +163,7 @@ def test_propose_drafts_with_ours_on_the_pair_cache_at_block_128(release, traine
 def test_what_ours_cannot_draft_goes_to_vllm_ascends_propose_with_its_arguments(release):
     d = init_speculator(release)(v2_config(True), "cpu")
     d._ascend = object()  # built (the fallback never touches it)
+    d._ascend_chains = {d._draft_k: d._ascend}
     batch = input_batch(2, [13, 23])
     mod = importlib.import_module(type(d).vllm_base.__module__ if MTP_CLASS[release][1] == "eagle" else
                                   "vllm_ascend.worker.v2.spec_decode.autoregressive.speculator")

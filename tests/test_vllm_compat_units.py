@@ -375,14 +375,17 @@ def test_worker_load_model_refuses_an_enabled_drafter_that_is_not_ours():
 
 
 def test_ascend_route_watches_the_npu_worker():
-    from ascend_spec.compat import ascend, ascend_hook
+    from ascend_spec.compat import ascend, ascend_hook, schedule_k
 
     ascend_hook.uninstall()
+    passes_k = schedule_k.runner_passes_k
     try:
         ascend.install()
         assert ascend.WORKER_MODULE in ascend_hook.hook().patches
+        assert schedule_k.SCHEDULER_MODULE in ascend_hook.hook().patches, "vllm-ascend runs vLLM's scheduler"
     finally:
         ascend_hook.uninstall()
+        schedule_k.runner_passes_k = passes_k
 
 
 def test_expand_to_tokens_is_the_triton_kernel():

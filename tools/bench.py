@@ -313,7 +313,7 @@ def main() -> None:
                        graph=GraphModeConfig(backend="inductor", graph_batch_sizes=tuple(sorted(args.batches)),
                                                  **({} if args.prefill_widths is None
                                                     else {"prefill_query_widths": tuple(args.prefill_widths)})),
-                       adaptive_k=True)
+                       adaptive_k=True, keep_learnings=False)  # adaptive K learns afresh (no earlier run's figures)
     eng = Engine(model, cfg, device=args.device)
     eng.eos_token_id = None  # every request generates max_tokens: the same work for every contender
     t0 = time.perf_counter()
