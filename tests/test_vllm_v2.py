@@ -47,6 +47,9 @@ def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
         runs.append({"name": f"ours_k{k}", "drafter": "ours", "k": k, "graph": GRAPH, **RUN, **tier})
     runs += [
         {"name": "ours_k2_async", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **RUN},
+        # long enough for the batch's bucket to sweep every K (greedy: RUN's tokens are its prefixes)
+        {"name": "ours_auto", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {"k_schedule": "auto"}, **RUN,
+         "max_tokens": [48, 56, 40, 64], "matrix": True},
         {"name": "vllm_sync_preempt", "drafter": "vllm", "k": 2, **PREEMPT},
         {"name": "ours_sync_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **PREEMPT},
         {"name": "ours_async_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **PREEMPT},
@@ -106,6 +109,19 @@ def test_v2_ours_drafts_no_specs_tokens_with_vllms_acceptance(v2_runs, k):
 
 def test_v2_vllms_own_speculator_is_untouched_when_ours_is_off(v2_runs):
     assert ok(v2_runs, "vllm_k2")["drafter"] == []  # no adapter built: vLLM's MTPSpeculator as it ships
+
+
+@pytest.mark.matrix
+def test_v2_measured_k_per_batch_size_drafts_every_k_with_ours(v2_runs):
+    """V2's runner hands each step's K to our speculator (the columns past it marked unused): the measured schedule
+    sweeps K = 2, 1, 0 and every K is ours, with no-spec's tokens."""
+    ref, r = ok(v2_runs, "none"), ok(v2_runs, "ours_auto")
+    assert [t[:len(t0)] for t, t0 in zip(r["tokens"], ref["tokens"])] == ref["tokens"]
+    d = r["drafter"][0]
+    assert d["draft_chains"] == [0, 1, 2] and d["fallback_calls"] == 0, d["fallbacks_by_reason"]
+    assert set(d["drafts_by_k"]) == {"0", "1", "2"}, d["drafts_by_k"]
+    (schedule,) = r["schedule"]
+    assert {key.split(":")[1] for key in schedule["steps"]} == {"0", "1", "2"}, schedule["steps"]
 
 
 def test_v2_async_scheduling_gives_syncs_tokens_and_counters(v2_runs):
