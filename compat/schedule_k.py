@@ -166,8 +166,12 @@ class KeptLearnings:
     def save(self) -> None:
         self._saved = time.monotonic()
         learned = self.schedule.learnings()
-        if learned.learned_anything():
+        if not learned.learned_anything():
+            return
+        try:
             self.store.save(self.key, learned)
+        except OSError as exc:  # a full disk must not stop the engine serving
+            logger.warning("ascend_spec: could not save %s (%s); the next start learns afresh", self.key.what, exc)
 
 
 def engine_identity(vllm_config: Any) -> dict[str, Any]:
