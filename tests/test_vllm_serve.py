@@ -73,8 +73,10 @@ def serve_argv(model: str, port: int, speculative: bool) -> list[str]:
     if speculative:
         argv += ["--speculative-config", json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": 2,
                                                      "attention_backend": ENGINE["attention_backend"]}),
-                 # one graph bucket: every batch of 1..8 requests pads to 8 (keeps start-up short on 2 cores)
-                 "--additional-config", json.dumps({"ascend_spec": {"enabled": True},
+                 # one graph bucket: every batch of 1..8 requests pads to 8 (keeps start-up short on 2 cores);
+                 # K fixed: a seeded sampled request repeats only where each step drafts the same K (the measured
+                 # schedule follows the clock: test_vllm_plugin's ours_auto runs)
+                 "--additional-config", json.dumps({"ascend_spec": {"enabled": True, "k_schedule": "fixed"},
                                                     "torchair_graph_config": {"graph_batch_sizes": [MAX_NUM_SEQS]}})]
     return argv
 
