@@ -367,7 +367,5 @@ class LearningsStore:
         return path
 
     def _discard(self, path: Path, reason: str) -> None:
-        log.warning("learnings: ignoring and removing %s: %s; learning afresh", path, reason)
-        with contextlib.suppress(OSError):
-            path.unlink()
+        self.cache.discard(path, reason, instead="learning afresh")
         return None

@@ -6,16 +6,18 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import Counter
+from pathlib import Path
 from typing import Any, Callable
 
 from ascend_spec.config import resolve_keep_learnings
 from ascend_spec.graph.backends.compile_cache import open_default_cache
+from ascend_spec.k_policy import in_step_share
 from ascend_spec.k_schedule import MeasuredSchedule
 from ascend_spec.learnings import LearningsStore, learnings_key
 
 from .manifest import covers
 from .settings import METHODS, PluginSettings
+from .shims import installed_vllm_version
 
 logger = logging.getLogger("vllm.ascend_spec.schedule")  # manifest: ignore (our logger name)
 
@@ -86,15 +88,8 @@ class MeasuredLookup(list):
             return super().__getitem__(batch)
         scheduler = self._scheduler()
         running = scheduler.running if scheduler is not None else []
-        return self.schedule.k_for(batch, _in_step_share(running))
-
-
-def _in_step_share(running: list) -> float:
-    """The share of running requests whose token budget another one shares (``k_policy.in_step_share``)."""
-    if not running:
-        return 1.0
-    budgets = Counter(running_request.max_tokens for running_request in running)
-    return sum(n for n in budgets.values() if n > 1) / len(running)
+        # vLLM's requests carry max_tokens, as ours do (manifest item Request.max_tokens)
+        return self.schedule.k_for(batch, in_step_share(running) if running else 1.0)
 
 
 class StepClock:
@@ -176,8 +171,6 @@ class KeptLearnings:
 
 def engine_identity(vllm_config: Any) -> dict[str, Any]:
     """What of the engine sets a step's cost, besides the host and the weights: the learnings key's model part."""
-    from .shims import installed_vllm_version
-
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
     return {"model": str(model.model), "max_model_len": model.max_model_len, "quantization": model.quantization or "",
             "enforce_eager": bool(model.enforce_eager), "vllm": installed_vllm_version(),
@@ -186,8 +179,6 @@ def engine_identity(vllm_config: Any) -> dict[str, Any]:
 
 def model_weights(vllm_config: Any) -> Any:
     """The checkpoint folder (its files fingerprint the weights), else the model's name and revision."""
-    from pathlib import Path
-
     model = vllm_config.model_config
     folder = Path(str(model.model))
     return folder if folder.is_dir() else f"{model.model}@{model.revision or 'main'}"

@@ -97,8 +97,8 @@ class AscendSpecV2Mixin(DraftCoreMixin):
         shared by every V2 runner's adapter (vLLM's, vllm-ascend's), whose ``propose`` signatures differ."""
         t0 = time.perf_counter()
         b = input_batch.num_reqs
-        reason = self._fallback_reason(k, aux_hidden_states, input_batch, bool(is_profile), mm_inputs, dp_synced)
         k = self._draft_k if k is None else k
+        reason = self._fallback_reason(k, aux_hidden_states, input_batch, bool(is_profile), mm_inputs, dp_synced)
         spans = input_batch.num_scheduled_tokens[:b]  # host (numpy): the runner's own schedule
         decode = bool((spans == 1 + k).all())
         if reason is None and dummy_run:
@@ -123,14 +123,14 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             self._count_call(time.perf_counter() - t0, decode, reason)
         return out
 
-    def _fallback_reason(self, k: int | None, aux_hidden_states: Any, input_batch: Any, is_profile: bool,
+    def _fallback_reason(self, k: int, aux_hidden_states: Any, input_batch: Any, is_profile: bool,
                          mm_inputs: Any, dp_synced: bool) -> str | None:
         """Why vLLM's own speculator must run this call, or None when ours drafts it."""
         if not self.ascend_enabled:
             return "disabled"
         if self._ascend is None or is_profile:
             return "not_built"  # the profile run sizes memory before the KV pool (and ours) exist
-        if self._chain(self._draft_k if k is None else k) is None:
+        if self._chain(k) is None:
             return "dynamic_k"  # a K of a schedule our chains were not built for
         if self.draft_logits is not None:
             return "probabilistic_draft"  # the rejection sampler reads the draft logits V2 caches

@@ -167,8 +167,9 @@ class CompileCache:
         except (OSError, BadEntry):
             return False
 
-    def discard(self, path: Path, reason: str) -> bool:
-        log.warning("compile cache: ignoring and removing %s: %s; compiling instead", path, reason)
+    def discard(self, path: Path, reason: str, instead: str = "compiling instead") -> bool:
+        """Warn once about a bad entry (``instead``: what the run does without it) and remove it; False."""
+        log.warning("compile cache: ignoring and removing %s: %s; %s", path, reason, instead)
         with contextlib.suppress(OSError):
             path.unlink()
         return False
