@@ -196,6 +196,15 @@ INJECTABLE_BUGS = ("next_token_at_optimistic_length",)
 
 #: set (by the suite's planted defect ``cpu_sampler_unmended``): every run of this process is ``unmend_cpu_sampler``
 UNMEND_ENV = "ASCEND_SPEC_HARNESS_UNMEND_CPU_SAMPLER"
+#: set (by the suite's planted defect ``k0_writes_late``): our drafter writes held K = 0 cache entries only when
+#: their buffer fills or the batch changes, not before the next draft reads the cache
+K0_WRITES_LATE_ENV = "ASCEND_SPEC_HARNESS_K0_WRITES_LATE"
+
+
+def _k0_writes_late() -> None:
+    from ascend_spec.compat.draft_core import DraftCoreMixin
+
+    DraftCoreMixin._flush_k0 = lambda self: None
 
 
 def _client_params(kw: dict[str, Any]):
@@ -560,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
             os.execve(sys.executable, [sys.executable, "-m", "ascend_spec_tools.vllm_harness",
                                        *(sys.argv[1:] if argv is None else argv)], env)
     text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
+    if os.environ.get(K0_WRITES_LATE_ENV):
+        _k0_writes_late()
     if args.dp_size:
         (cfg,) = json.loads(text)
         _install_force_async()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ascend_spec.config import SpeculativeConfig
+from ascend_spec.deferred_writes import DeferredCacheWrites
 from ascend_spec.graph.backends import Backend, get_backend
 from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, module_refs
 from ascend_spec.graph.backends.compile_cache import open_default_cache
@@ -58,6 +59,8 @@ class DrafterStats:
     fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
     draft_chains: list[int] = field(default_factory=list)  # the K values ours has a draft chain for
     drafts_by_k: dict[int, int] = field(default_factory=dict)  # our draft calls per K the runner asked for
+    k0_held_steps: int = 0  # K = 0 decode steps whose draft cache writes were held (DeferredCacheWrites)
+    k0_flushes: int = 0  # ... and the calls that wrote the held ones
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
     own_dummy_runs: int = 0  # the runner's dummy steps (captures, idle data-parallel steps) run as inert drafts here
     dummy_calls: int = 0  # the runner's dummy steps, whichever drafter ran them
@@ -146,6 +149,8 @@ class DraftCoreMixin:
         self._ascend_model = None
         self._ascend: MtpTorchairProposer | None = None
         self._ascend_chains: dict[int, MtpTorchairProposer] = {}
+        #: K = 0 decode steps' cache writes, held and written many at a time (None: no K = 0 chain)
+        self._k0_writes: DeferredCacheWrites | None = None
         self._ascend_layer = ""
         self._ascend_cache_bound = False
         self._ascend_stats_file: StatsFile | None = None
@@ -221,6 +226,7 @@ class DraftCoreMixin:
                                    batch_sizes=sizes, prefill_widths=g.prefill_query_widths, num_speculative_tokens=j)
             for j in sorted(draft_ks(self.vllm_config, k), reverse=True)}
         self._ascend = self._ascend_chains[k]
+        self._k0_writes = DeferredCacheWrites(self._ascend_chains[0]) if 0 in self._ascend_chains else None
         self._ascend_cache_bound = False
         self.ascend_stats.buckets = list(sizes)
         self.ascend_stats.backend = backend.name
@@ -364,11 +370,41 @@ class DraftCoreMixin:
         """Our draft chain for a step drafting K = ``k``; None if not built."""
         return self._ascend_chains.get(k)
 
-    def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
-        """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.
-        K = 0 still runs the MTP layer over the verified tokens: it writes their draft KV, which later drafts read."""
+    def _hold_k0(self, next_token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                 slot_mapping: torch.Tensor, batch_key: list) -> torch.Tensor | None:
+        """A K = 0 decode step (one verified token per row; ``[B]`` next tokens, positions, slots, ``[B, D]``
+        hidden states): its draft cache writes held for a later flush, and its ``[B, 0]`` drafts; None where it
+        cannot be held (no K = 0 chain, a batch above the buckets): then the caller drafts it as any other.
+        ``batch_key``: the batch's request ids in row order."""
+        held = self._k0_writes
+        b = next_token_ids.shape[0]
+        if held is None or not held.takes(b):
+            return None
         if not self._ascend_cache_bound:
             self._bind_cache()
+        flushes = held.flushes
+        with torch.inference_mode():
+            held.add(next_token_ids, positions, hidden, slot_mapping, batch_key)
+        st = self.ascend_stats
+        st.k0_held_steps += 1
+        st.k0_flushes += held.flushes - flushes
+        st.drafts_by_k[0] = st.drafts_by_k.get(0, 0) + 1
+        return torch.zeros(b, 0, dtype=torch.long, device=next_token_ids.device)
+
+    def _flush_k0(self) -> None:
+        """Write the held K = 0 cache entries, before any draft reads or writes the cache."""
+        if self._k0_writes is not None and self._k0_writes.pending:
+            with torch.inference_mode():
+                self._k0_writes.flush()
+            self.ascend_stats.k0_flushes += 1
+
+    def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
+        """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.
+        K = 0 still runs the MTP layer over the verified tokens: it writes their draft KV, which later drafts read.
+        Held K = 0 writes (:meth:`_hold_k0`) are written first."""
+        if not self._ascend_cache_bound:
+            self._bind_cache()
+        self._flush_k0()
         chain = self._chain(k)
         with torch.inference_mode():
             draft = chain.propose(inputs)

@@ -176,6 +176,11 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             hidden = target_hidden_states[:n].view(b, q, -1)
             slots = f.slot_mapping[:n].view(b, q).long()
             sample_idx = (tis - qsl[:-1]).clamp(0, q - 1)
+            if k == 0:
+                held = self._hold_k0(next_token_ids[:b].long(), pos[:, 0], hidden[:, 0], slots[:, 0],
+                                     self.runner.input_batch.req_ids)
+                if held is not None:
+                    return held
             if chain.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:

@@ -164,6 +164,10 @@ class AscendSpecV2Mixin(DraftCoreMixin):
             pos = input_batch.positions[:n].view(b, q).long()
             hid = hidden[:n].view(b, q, -1)
             slots = slots_flat[:n].view(b, q).long()
+            if k == 0:
+                held = self._hold_k0(next_ids, pos[:, 0], hid[:, 0], slots[:, 0], input_batch.req_ids)
+                if held is not None:
+                    return held
             if chain.graph.rows_for(b) is None:
                 self._note_eager_decode(b)
             else:

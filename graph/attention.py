@@ -59,9 +59,14 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q_a)) if cfg.q_lora_rank else self.q_proj(q_a)
         q = q.view(*x.shape[:-1], self.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return (q_nope, self.rope(q_pe, positions), *self._latents(kv_a, positions))
+
+    def _latents(self, kv_a: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kv_a projection → (normed c_kv [..., C], roped k_pe [..., rope]): what the cache holds."""
+        cfg = self.cfg
         c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_pe = self.rope(k_pe.unsqueeze(-2), positions).squeeze(-2)
-        return q_nope, self.rope(q_pe, positions), self.kv_a_layernorm(c_kv), k_pe
+        return self.kv_a_layernorm(c_kv), k_pe
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.absorbed is not None:
@@ -89,6 +94,19 @@ class MLAttention(nn.Module):
         else:
             out = torch.einsum("bqhc,hvc->bqhv", o_lat, self._w_uk_uv()[1])
         return self.o_proj(out.reshape(b, q_len, -1))
+
+    def write_paged(self, x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> None:
+        """The cache writes of :meth:`forward_paged` alone (x: [B, Q, D]), for a pass whose output nobody reads:
+        the kv_a projection, its norm and RoPE, no query and no attention."""
+        cfg = self.cfg
+        if self.fused_a_proj is not None:
+            kv_a = self.fused_a_proj(x)[..., cfg.q_lora_rank:]
+        else:
+            kv_a = self.kv_a_proj_with_mqa(x)
+        c_kv, k_pe = self._latents(kv_a, inp.positions)
+        n = x.shape[0] * x.shape[1]
+        write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(n, -1), k_pe.reshape(n, -1),
+                           npu=self.npu_cache_write)
 
     # -- dense (training and reference) ---------------------------------------------------------
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:

