@@ -37,6 +37,7 @@ GRAPH = {"graph_batch_sizes": [2, 4]}
 #: RUN's requests with a KV pool too small for all four at once: the scheduler preempts and recomputes (a
 #: 6-block pool must hold one whole request: max_model_len 64; they load RUN's K = 2 graph)
 PREEMPT = {**RUN, "llm": {"max_num_seqs": 4, "max_model_len": 64, "num_gpu_blocks_override": 6}}
+USER_SCHEDULE = {"num_speculative_tokens_per_batch_size": [[1, 1, 2], [2, 2, 1], [3, 4, 0]]}
 
 
 def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
@@ -50,6 +51,10 @@ def _configs(moe_ckpt: str, tp_ckpt: str, stats_dir: str = "") -> list[dict]:
         # long enough for the batch's bucket to sweep every K (greedy: RUN's tokens are its prefixes)
         {"name": "ours_auto", "drafter": "ours", "k": 2, "graph": GRAPH, "ascend": {"k_schedule": "auto"}, **RUN,
          "max_tokens": [48, 56, 40, 64], "matrix": True},
+        # batch 1: K = 2, 2: K = 1, 3-4: K = 0 (held MTP cache writes), by both speculators
+        {"name": "ours_user_schedule", "drafter": "ours", "k": 2, "graph": GRAPH, "spec": USER_SCHEDULE, **RUN,
+         "matrix": True},
+        {"name": "vllm_user_schedule", "drafter": "vllm", "k": 2, "spec": USER_SCHEDULE, **RUN, "matrix": True},
         {"name": "vllm_sync_preempt", "drafter": "vllm", "k": 2, **PREEMPT},
         {"name": "ours_sync_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, **PREEMPT},
         {"name": "ours_async_preempt", "drafter": "ours", "k": 2, "graph": GRAPH, "async": True, **PREEMPT},
@@ -122,6 +127,19 @@ def test_v2_measured_k_per_batch_size_drafts_every_k_with_ours(v2_runs):
     assert set(d["drafts_by_k"]) == {"0", "1", "2"}, d["drafts_by_k"]
     (schedule,) = r["schedule"]
     assert {key.split(":")[1] for key in schedule["steps"]} == {"0", "1", "2"}, schedule["steps"]
+
+
+@pytest.mark.matrix
+def test_v2_a_user_schedule_with_k0_keeps_vllms_acceptance(v2_runs):
+    """V1's subject (``test_vllm_plugin``) on V2's speculator: K = 0 steps hold their MTP cache writes, written
+    before any draft reads the cache, and acceptance is vLLM's V2 speculator's on the same schedule."""
+    ref, r, theirs = ok(v2_runs, "none"), ok(v2_runs, "ours_user_schedule"), ok(v2_runs, "vllm_user_schedule")
+    assert r["tokens"] == ref["tokens"]
+    d = r["drafter"][0]
+    assert d["draft_chains"] == [0, 1, 2] and d["fallback_calls"] == 0, d["fallbacks_by_reason"]
+    assert d["k0_held_steps"] > d["k0_flushes"] > 0, d
+    assert theirs["metrics"]["spec_decode_num_accepted_tokens"] > 0
+    assert counters(r) == counters(theirs)
 
 
 def test_v2_async_scheduling_gives_syncs_tokens_and_counters(v2_runs):

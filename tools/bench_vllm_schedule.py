@@ -5,6 +5,7 @@ engine with its compile on.
 
     python tools/bench_vllm_schedule.py                 # batch 1 and 8, K_max 3, 2 rounds
     python tools/bench_vllm_schedule.py --batches 8 --rounds 3 --json out.json
+    python tools/bench_vllm_schedule.py --checkpoint fixture   # the 2-layer test fixture: overheads weigh 5x more
 
 One harness process runs every engine, the contenders of a batch size one after the other in an order that rotates
 from round to round. Each engine generates ``--repeat`` times; the first ``--warmup-calls`` calls are not timed (our
@@ -26,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from ascend_spec_tools.vllm_harness import PROMPTS  # noqa: E402  pure Python: no vLLM import here
+from ascend_spec_tools.vllm_harness import BUNDLED_CHECKPOINT, CHECKPOINT, PROMPTS  # noqa: E402  no vLLM import
 
 
 def contenders(batch: int, k_max: int, vllm_ks: list[int], max_tokens: int, repeat: int) -> list[dict]:
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="generate calls per engine")
     ap.add_argument("--warmup-calls", type=int, default=2, help="untimed first calls of each engine")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--checkpoint", default="bundled",
+                    help="bundled (12 + 1 layers, the model users try first) | fixture (2 + 1) | a folder")
     ap.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -69,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
             runs = contenders(batch, args.k_max, vllm_ks, args.max_tokens, args.repeat)
             shift = r % len(runs)
             configs += [{**c, "name": f"{c['name']}#{r}"} for c in runs[shift:] + runs[:shift]]
+    checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         cfg, out = Path(tmp) / "configs.json", Path(tmp) / "results.json"
         cfg.write_text(json.dumps(configs))
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out)],
+        subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
+                        "--checkpoint", checkpoint],
                        cwd=REPO, env=env, check=True)
         results = json.loads(out.read_text())
     if args.json:
@@ -85,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         by_name.setdefault(name, []).append(timed(res, args.warmup_calls))
         if res.get("schedule"):
             schedules.setdefault(name, []).append(res["schedule"][0]["steps"])
-    print(f"\ntokens/s, medians of {args.rounds} rounds (calls after the first {args.warmup_calls} of each engine)\n")
+    print(f"\n{args.checkpoint}: tokens/s, medians of {args.rounds} rounds (calls after the first "
+          f"{args.warmup_calls} of each engine)\n")
     print("| batch | no-spec | " + " | ".join(f"vLLM K={k}" for k in vllm_ks)
           + " | ours (auto) | ours ÷ no-spec | ours ÷ best vLLM | ours ÷ best of all |")
     print("|---" * (6 + len(vllm_ks)) + "|")
