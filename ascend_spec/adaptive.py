@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 # Each constant's reason and the runs that set it: docs/performance.md, "Tuned constants".
 # Explorations: every EXPLORE_EVERY steps (while K = 0 runs, EXPLORE_ROW_STEPS × bucket at most), EXPLORE_STEPS
-# steps at another K; a lower K trailing by FAR_EXPLORE_GAP only one lap in FAR_EXPLORE_LAPS; changes of K they
-# cause stay within EXPLORE_SHARE of the run.
+# steps at another K; a lower K trailing by FAR_EXPLORE_GAP (a higher one: even at full acceptance) only one lap in
+# FAR_EXPLORE_LAPS; changes of K they cause stay within EXPLORE_SHARE of the run.
 EXPLORE_EVERY = 64
 EXPLORE_ROW_STEPS = 16
 EXPLORE_STEPS = 2
@@ -226,10 +226,15 @@ class AdaptiveK:
             return None
         turn = self._explorations.get(bucket, 0)
         k = others[turn % len(others)]
-        if k > running or turn // len(others) % FAR_EXPLORE_LAPS == 0:
+        if turn // len(others) % FAR_EXPLORE_LAPS == 0:
             return k
-        rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in (k, running)}
-        return k if rate[k] >= (1 - FAR_EXPLORE_GAP) * rate[running] else None
+        rate = tokens_per_second(total, acceptance, running, bucket, in_step)
+        if k > running:
+            # A higher K is explored for the deep positions' acceptance, which only it verifies: it keeps every turn
+            # unless it would trail far even with every draft accepted (a verify costing several decode steps).
+            best = tokens_per_second(total, [1.0] * len(acceptance), k, bucket, in_step=0.0)
+            return k if best >= (1 - FAR_EXPLORE_GAP) * rate else None
+        return k if tokens_per_second(total, acceptance, k, bucket, in_step) >= (1 - FAR_EXPLORE_GAP) * rate else None
 
     def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                in_step: float) -> int | None:

