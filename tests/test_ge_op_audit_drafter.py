@@ -41,8 +41,9 @@ MARKERS = ("<!-- drafter-summary -->", "<!-- /drafter-summary -->", "<!-- drafte
 
 
 def _vllm_config() -> types.SimpleNamespace:
+    # no schedule written (vLLM's per-batch-size K field present): a chain per K = 0..K, each audited
     spec = types.SimpleNamespace(method="mtp", num_speculative_tokens=K, draft_sample_method="greedy",
-                                 use_step3p5_mtp=lambda: False)
+                                 use_step3p5_mtp=lambda: False, num_speculative_tokens_per_batch_size=None)
     extra = {"ascend_spec": {"enabled": True, "graph_failure": "raise"},
              "torchair_graph_config": {"backend": "torchair", "graph_batch_sizes": [2],
                                        "prefill_query_widths": [16]}}
