@@ -3,7 +3,7 @@ and written many steps at a time, so that a step which does not speculate costs 
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class DeferredCacheWrites:
         self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
         self._rows = 0  # the bucket the held entries fill, 0: nothing held
         self._steps = 0  # columns filled
-        self._key: list | None = None
+        self._key: list[str] | None = None
         self.held_steps = 0  # stats: steps added, flushes that wrote
         self.flushes = 0
 
@@ -49,7 +49,7 @@ class DeferredCacheWrites:
         return self.max_steps > 1 and self.chain.graph.rows_for(batch) is not None
 
     def add(self, next_token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-            slot_mapping: torch.Tensor, key: Hashable) -> None:
+            slot_mapping: torch.Tensor, key: Sequence[str]) -> None:
         """Hold one K = 0 decode step: ``[B]`` next tokens, positions and slots, ``[B, D]`` target hidden states
         (copied: the runner reuses its buffers). ``key`` names the batch's requests in row order."""
         b = next_token_ids.shape[0]
@@ -57,11 +57,11 @@ class DeferredCacheWrites:
         if rows is None:
             raise ValueError(f"DeferredCacheWrites.add: a batch of {b} rows; allowed: at most "
                              f"{self.chain.graph.max_size} (check takes() first)")
-        if self._steps and (rows != self._rows or key != self._key or self._steps == self._capacity(rows)):
+        if self._steps and (rows != self._rows or list(key) != self._key or self._steps == self._capacity(rows)):
             self.flush()
         if not self._steps:
-            self._rows, self._key = rows, list(key) if isinstance(key, list) else key
-        ids, pos, hid, slots = self._buffer(rows, hidden)
+            self._rows, self._key = rows, list(key)  # a copy: the runner's list changes in place
+        ids, pos, hid, slots = self._buffer(rows, hidden)[:4]
         c = self._steps
         ids[:b, c].copy_(next_token_ids)
         pos[:b, c].copy_(positions)
@@ -79,13 +79,11 @@ class DeferredCacheWrites:
         """Write every held entry into the draft cache (one K = 0 chain call); nothing if none is held."""
         if not self._steps:
             return
-        ids, pos, hid, slots = self._buffers[self._rows]
-        rows, dev = self._rows, ids.device
-        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-        table = torch.zeros(rows, self.chain.table_width, dtype=torch.long, device=dev)
+        ids, pos, hid, slots, zeros, table = self._buffers[self._rows]
+        rows = self._rows
         # Only slots matter to a K = 0 chain: table, lengths and the sampled index are read by no op of it.
         lens_host = (1,) * rows if self.chain.model.takes_host_lengths else None
-        self.chain._run_draft(ids, pos, hid, zeros, slots, table, zeros, self.chain.row_limits(rows, dev),
+        self.chain._run_draft(ids, pos, hid, zeros, slots, table, zeros, self.chain.row_limits(rows, ids.device),
                               seq_lens_host=lens_host)
         slots.fill_(-1)
         self._steps, self._key = 0, None
@@ -103,5 +101,6 @@ class DeferredCacheWrites:
             ids = torch.zeros(rows, steps, dtype=torch.long, device=dev)
             made = self._buffers[rows] = (ids, torch.zeros_like(ids),
                                           torch.zeros(rows, steps, like.shape[-1], dtype=like.dtype, device=dev),
-                                          torch.full_like(ids, -1))
+                                          torch.full_like(ids, -1), torch.zeros(rows, dtype=torch.long, device=dev),
+                                          torch.zeros(rows, self.chain.table_width, dtype=torch.long, device=dev))
         return made

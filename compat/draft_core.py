@@ -382,25 +382,24 @@ class DraftCoreMixin:
             return None
         if not self._ascend_cache_bound:
             self._bind_cache()
-        flushes = held.flushes
         with torch.inference_mode():
             held.add(next_token_ids, positions, hidden, slot_mapping, batch_key)
         st = self.ascend_stats
-        st.k0_held_steps += 1
-        st.k0_flushes += held.flushes - flushes
+        st.k0_held_steps, st.k0_flushes = held.held_steps, held.flushes
         st.drafts_by_k[0] = st.drafts_by_k.get(0, 0) + 1
         return torch.zeros(b, 0, dtype=torch.long, device=next_token_ids.device)
 
     def _flush_k0(self) -> None:
         """Write the held K = 0 cache entries, before any draft reads or writes the cache."""
-        if self._k0_writes is not None and self._k0_writes.pending:
+        held = self._k0_writes
+        if held is not None and held.pending:
             with torch.inference_mode():
-                self._k0_writes.flush()
-            self.ascend_stats.k0_flushes += 1
+                held.flush()
+            self.ascend_stats.k0_flushes = held.flushes
 
     def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
         """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.
-        K = 0 still runs the MTP layer over the verified tokens: it writes their draft KV, which later drafts read.
+        K = 0 writes the MTP layer's cache entries of the verified tokens (later drafts read them) and drafts none.
         Held K = 0 writes (:meth:`_hold_k0`) are written first."""
         if not self._ascend_cache_bound:
             self._bind_cache()
