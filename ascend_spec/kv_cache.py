@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .graph.config import ModelConfig
-from .graph.latent_cache import (DEFAULT_BLOCK_SIZE, LatentCache, allocate_latent_cache, block_size_of, cache_tensors,
+from .graph.latent_cache import (DEFAULT_BLOCK_SIZE, LatentCache, block_size_of, cache_tensors,
                                  num_blocks_for)
 
 NULL_BLOCK = 0  # never handed out: rows with slot -1 are redirected here (see graph.latent_cache.write_latent_cache)
@@ -99,8 +99,7 @@ class KVCaches:
                              "(block 0 is reserved)")
 
         def one() -> LatentCache:
-            return allocate_latent_cache(layout, num_blocks, block_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                         dtype, device)
+            return cfg.layer_cache(layout, num_blocks, block_size, dtype, device)
 
         target = tuple(one() for _ in range(cfg.num_hidden_layers))
         draft = one()

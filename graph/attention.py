@@ -50,14 +50,23 @@ class MLAttention(nn.Module):
     # -- shared projections ---------------------------------------------------------------------
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x → (q_nope [..., H, nope], roped q_pe [..., H, rope], normed c_kv [..., C], roped k_pe [..., rope])."""
+        return self._heads(*self._a_proj(x), positions)
+
+    def _a_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x → (the query's input: the normed query latent ``q_a_layernorm(q_a_proj(x))``, or x without q_lora;
+        the kv_a projection ``[..., C + rope]``)."""
         cfg = self.cfg
         if self.fused_a_proj is not None:
             q_a, kv_a = self.fused_a_proj(x).split([cfg.q_lora_rank, cfg.latent_dim], dim=-1)
         else:
             q_a = self.q_a_proj(x) if cfg.q_lora_rank else x
             kv_a = self.kv_a_proj_with_mqa(x)
-        q = self.q_b_proj(self.q_a_layernorm(q_a)) if cfg.q_lora_rank else self.q_proj(q_a)
-        q = q.view(*x.shape[:-1], self.num_heads, cfg.qk_head_dim)
+        return (self.q_a_layernorm(q_a) if cfg.q_lora_rank else q_a), kv_a
+
+    def _heads(self, q_in: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        q = self.q_b_proj(q_in) if cfg.q_lora_rank else self.q_proj(q_in)
+        q = q.view(*q_in.shape[:-1], self.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return (q_nope, self.rope(q_pe, positions), *self._latents(kv_a, positions))
 
@@ -79,21 +88,24 @@ class MLAttention(nn.Module):
     def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> torch.Tensor:
         """x: [B, Q, D] → [B, Q, D]; writes this forward's latents into ``cache`` first."""
         cfg = self.cfg
-        b, q_len, _ = x.shape
         q_nope, q_pe, c_kv, k_pe = self._project(x, inp.positions)  # [B, Q, H, nope], [B, Q, H, rope], ...
-        write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(b * q_len, -1),
-                           k_pe.reshape(b * q_len, -1), npu=self.npu_cache_write)
+        self._write_latents(cache, inp, c_kv, k_pe)
+        o_lat = self.kernel(self._absorb(q_nope), q_pe, latent_parts(cache, cfg.kv_lora_rank), inp, cfg.softmax_scale)
+        return self._output(o_lat)
 
+    def _absorb(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope [B, Q, H, nope]`` → the latent query ``[B, Q, H, C]`` (``W_UK`` absorbed)."""
         if self.uk_proj is not None:
-            q_lat = self.uk_proj(q_nope)
-        else:
-            q_lat = torch.einsum("bqhn,hnc->bqhc", q_nope, self._w_uk_uv()[0])
-        o_lat = self.kernel(q_lat, q_pe, latent_parts(cache, cfg.kv_lora_rank), inp, cfg.softmax_scale)
+            return self.uk_proj(q_nope)
+        return torch.einsum("bqhn,hnc->bqhc", q_nope, self._w_uk_uv()[0])
+
+    def _output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """The latent attention output ``[B, Q, H, C]`` → ``[B, Q, D]`` (``W_UV`` then ``o_proj``)."""
         if self.uv_proj is not None:
             out = self.uv_proj(o_lat)
         else:
             out = torch.einsum("bqhc,hvc->bqhv", o_lat, self._w_uk_uv()[1])
-        return self.o_proj(out.reshape(b, q_len, -1))
+        return self.o_proj(out.reshape(*o_lat.shape[:2], -1))
 
     def write_paged(self, x: torch.Tensor, inp: PagedInputs, cache: LatentCache) -> None:
         """The cache writes of :meth:`forward_paged` alone (x: [B, Q, D]), for a pass whose output nobody reads:
@@ -103,8 +115,11 @@ class MLAttention(nn.Module):
             kv_a = self.fused_a_proj(x)[..., cfg.q_lora_rank:]
         else:
             kv_a = self.kv_a_proj_with_mqa(x)
-        c_kv, k_pe = self._latents(kv_a, inp.positions)
-        n = x.shape[0] * x.shape[1]
+        self._write_latents(cache, inp, *self._latents(kv_a, inp.positions))
+
+    def _write_latents(self, cache: LatentCache, inp: PagedInputs, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """``c_kv [B, Q, C]`` and ``k_pe [B, Q, rope]`` into ``cache`` at ``inp.slot_mapping``."""
+        n = c_kv.shape[0] * c_kv.shape[1]
         write_latent_cache(cache, inp.slot_mapping.reshape(-1), c_kv.reshape(n, -1), k_pe.reshape(n, -1),
                            npu=self.npu_cache_write)
 

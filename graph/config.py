@@ -7,8 +7,11 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
+
+from .latent_cache import LatentCache, allocate_latent_cache
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("deepseek_v3",)
@@ -19,6 +22,33 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 
 class ConfigError(ValueError):
     """A checkpoint config that this project cannot run."""
+
+
+def read_config_json(model_dir: str | Path) -> tuple[Path, dict]:
+    """``(path, the JSON object)`` of ``{model_dir}/config.json``, or one :class:`ConfigError`."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"no config.json in {model_dir}")
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
+    return path, hf
+
+
+T = TypeVar("T")
+
+
+def parse_config(path: Path, parse: Callable[[dict], T], hf: dict) -> T:
+    """``parse(hf)``, a malformed value (e.g. rope_scaling given as a string) reported as one :class:`ConfigError`."""
+    try:
+        return parse(hf)
+    except ConfigError:
+        raise
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{path}: malformed value ({type(exc).__name__}: {exc})") from exc
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -182,18 +212,28 @@ class ModelConfig:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.torch_dtype]
 
+    #: the ``config.json`` this family reads: model types, and the architectures one of which it must name
+    MODEL_TYPES = SUPPORTED_MODEL_TYPES
+    ARCHITECTURES = SUPPORTED_ARCHITECTURES
+
     @classmethod
     def from_hf_dict(cls, hf: dict) -> "ModelConfig":
         archs = hf.get("architectures") or []
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        if model_type not in cls.MODEL_TYPES or not any(a in cls.ARCHITECTURES for a in archs):
             raise ConfigError(
                 f"config.json: model_type={model_type!r}, architectures={archs!r}; "
-                f"expected model_type in {SUPPORTED_MODEL_TYPES} and architectures containing one of "
-                f"{SUPPORTED_ARCHITECTURES}"
+                f"expected model_type in {cls.MODEL_TYPES} and architectures containing one of "
+                f"{cls.ARCHITECTURES}"
             )
+        return cls(**cls.fields_from_hf(hf))
+
+    @classmethod
+    def fields_from_hf(cls, hf: dict) -> dict:
+        """This class's fields read from an HF ``config.json`` (MLA, MoE, RoPE, dtype, quantisation): what a family
+        built on DeepSeek-V3's MLA reads alike before its own keys."""
         required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+                    "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
         missing = [k for k in required if k not in hf]
         if missing:
             raise ConfigError(f"config.json: missing required key(s) {missing}")
@@ -201,7 +241,7 @@ class ModelConfig:
         if hf.get("num_nextn_predict_layers", 0) < 1:
             raise ConfigError("config.json: num_nextn_predict_layers must be >= 1 for MTP speculative decoding")
         moe = _moe_from_hf(hf, n_layers + hf["num_nextn_predict_layers"])
-        rope_scaling = YarnScaling.from_hf(hf["rope_scaling"]) if hf.get("rope_scaling") else None
+        rope_theta, rope_scaling = _rope_from_hf(hf)
         quant = QuantConfig.from_hf(hf["quantization_config"]) if hf.get("quantization_config") else None
         torch_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         if torch_dtype not in DTYPES:
@@ -209,7 +249,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        return cls(
+        return dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -222,7 +262,7 @@ class ModelConfig:
             num_nextn_predict_layers=hf.get("num_nextn_predict_layers", 1),
             q_lora_rank=hf.get("q_lora_rank"),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=rope_theta,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
@@ -235,21 +275,15 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """``{model_dir}/config.json``; every way it can be wrong is one :class:`ConfigError`."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"no config.json in {model_dir}")
-        try:
-            hf = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
-        try:
-            return cls.from_hf_dict(hf)
-        except ConfigError:
-            raise
-        except (TypeError, KeyError, AttributeError) as exc:  # e.g. rope_scaling given as a string
-            raise ConfigError(f"{path}: malformed value ({type(exc).__name__}: {exc})") from exc
+        path, hf = read_config_json(model_dir)
+        return parse_config(path, cls.from_hf_dict, hf)
+
+    def layer_cache(self, layout: str, num_blocks: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device | str) -> LatentCache:
+        """One layer's paged cache (target or draft): the latent ``[c_kv ; k_pe]`` per token, ``layout``
+        ``single`` or ``pair`` (see :mod:`.latent_cache`)."""
+        return allocate_latent_cache(layout, num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype,
+                                     device)
 
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         """The HF ``config.json`` that both this project and vLLM's ``DeepseekV3ForCausalLM`` load."""
@@ -298,6 +332,17 @@ class ModelConfig:
                 "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.n_group, "topk_group": m.topk_group,
                 "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": m.norm_topk_prob,
                 "moe_layer_freq": m.moe_layer_freq, "first_k_dense_replace": m.first_k_dense_replace}
+
+
+def _rope_from_hf(hf: dict) -> tuple[float, YarnScaling | None]:
+    """``(rope_theta, YaRN or None)`` from ``rope_theta`` / ``rope_scaling``, or from ``rope_parameters`` (how
+    transformers 5 writes them: GLM-5's and DeepSeek-V3.2's configs)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "rope_scaling" not in hf:
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        return theta, None if kind == "default" else YarnScaling.from_hf(params)
+    return hf.get("rope_theta", 10000.0), YarnScaling.from_hf(hf["rope_scaling"]) if hf.get("rope_scaling") else None
 
 
 def _moe_from_hf(hf: dict, num_layers_with_mtp: int) -> MoEConfig | None:

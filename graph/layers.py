@@ -121,6 +121,14 @@ class RotaryEmbedding(nn.Module):
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         return out.to(x.dtype)
 
+    def rotate_halves(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The same rotation over the other channel pairing, ``(x[i], x[i + dim/2])`` ("NeoX" style: HF's
+        ``rotate_half``), as DeepSeek-V3.2's indexer ropes its keys and queries. Same table, same shapes."""
+        cos = self.cos_cached[positions].unsqueeze(-2)
+        sin = self.sin_cached[positions].unsqueeze(-2)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
 
 def yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, theta: float, s: YarnScaling) -> torch.Tensor:
     """YaRN (vLLM's ``DeepseekScalingRotaryEmbedding``): blend interpolated (÷ factor) and original frequencies

@@ -182,11 +182,14 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # -- MTP ------------------------------------------------------------------------------------
     def mtp_paged(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: LatentCache,
-                  step: int = 0, emb: torch.Tensor | None = None) -> torch.Tensor:
-        """``emb``: the embedding of ``next_token_ids`` where the caller already has it (``mtp_greedy``)."""
+                  step: int = 0, emb: torch.Tensor | None = None, carry: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft step: ``(its hidden states [B, Q, D], its carry)``. ``emb``: the embedding of
+        ``next_token_ids`` where the caller already has it (``mtp_greedy``). The carry is what a family hands
+        its next draft step (per token ``[B, Q, ...]``; the chain keeps each row's sampled token's): None here."""
         if emb is None:
             emb = self.model.embed_tokens(next_token_ids)
-        return self.mtp_layer(step).forward_paged_mtp(emb, hidden, inp, cache)
+        return self.mtp_layer(step).forward_paged_mtp(emb, hidden, inp, cache), None
 
     def mtp_write_cache(self, next_token_ids: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs,
                         cache: LatentCache, step: int = 0) -> None:

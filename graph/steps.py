@@ -9,7 +9,7 @@ import torch
 
 from .attention import PagedInputs
 from .latent_cache import LatentCache, block_size_of, slots_for
-from .model import DeepseekV3ForCausalLM
+from .family import MtpModel
 
 TargetStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 DraftStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -63,7 +63,7 @@ def _at_most(n: int, high: int) -> int:
     return n - (n - high) * _positive(n - high)
 
 
-def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
+def make_target_step(model: MtpModel) -> TargetStep:
     """``seq_lens_host`` (every step function's last argument): host ints, where each row's query block ends
     (``PagedInputs.seq_lens_host``), for kernels that read them (``model.takes_host_lengths``), else None."""
 
@@ -77,7 +77,7 @@ def make_target_step(model: DeepseekV3ForCausalLM) -> TargetStep:
     return target_step
 
 
-def make_prefill_step(model: DeepseekV3ForCausalLM) -> TargetStep:
+def make_prefill_step(model: MtpModel) -> TargetStep:
     """A prompt's target forward over ``[B, Q]`` tokens (rows right-padded with inert tokens): the hidden states
     at every position (the MTP layer drafts from them) and the logits at each row's ``last_idx`` only, one
     vocabulary product per request instead of one per prompt token."""
@@ -94,7 +94,7 @@ def make_prefill_step(model: DeepseekV3ForCausalLM) -> TargetStep:
     return prefill_step
 
 
-def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, max_model_len: int) -> DraftStep:
+def make_draft_step(model: MtpModel, num_speculative_tokens: int, max_model_len: int) -> DraftStep:
     """Chain the MTP layer K times, as vLLM does when the checkpoint has fewer MTP layers than K.
 
     Step k+1 is fed ``shared_head.norm`` of step k's pre-norm hidden state (vLLM 0.32 and SGLang recycle
@@ -118,9 +118,11 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         inp = PagedInputs(positions, slot_mapping, block_table, seq_lens, seq_lens_host)
         block_size = block_size_of(cache)
-        h = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
+        h, carry = model.mtp_paged(input_ids, hidden, inp, cache, step=0)  # [B, Q, D]
         idx = sample_idx.long().view(-1, 1)
         h_last = torch.gather(h, 1, idx.unsqueeze(-1).expand(-1, 1, h.shape[-1])).squeeze(1)  # [B, D]
+        if carry is not None:  # each row's sampled token's, [B, 1, ...]
+            carry = torch.gather(carry, 1, idx.view(-1, 1, *[1] * (carry.dim() - 2)).expand(-1, 1, *carry.shape[2:]))
         token, emb, logits = model.mtp_greedy(h_last, step=0, with_embedding=num_speculative_tokens > 1)
         tokens, all_logits = [token], [logits]
         pos = torch.gather(positions, 1, idx).squeeze(1)
@@ -141,9 +143,10 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
                                    None if on_device else draft_lens_host(seq_lens_host, step, host_cap),
                                    kv_lens_on_device=on_device)
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
-            h_last = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp, cache,
-                                     step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1])
-                                     ).squeeze(1)
+            h_next, carry = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp,
+                                            cache, step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1]),
+                                            carry=carry)
+            h_last = h_next.squeeze(1)
             token, emb, logits = model.mtp_greedy(h_last, step=step,
                                                   with_embedding=step + 1 < num_speculative_tokens)
             tokens.append(token)
@@ -153,7 +156,7 @@ def make_draft_step(model: DeepseekV3ForCausalLM, num_speculative_tokens: int, m
     return draft_step
 
 
-def _kv_only_draft_step(model: DeepseekV3ForCausalLM) -> DraftStep:
+def _kv_only_draft_step(model: MtpModel) -> DraftStep:
     """K = 0 (a step whose scheduler asked for no drafts): the MTP layer's cache entries for the verified batch,
     which later drafts attend to, and nothing else (vLLM's drafter runs the whole layer and discards its output):
     the layer's input, its attention's latent projection, the writes. No query, attention, MLP or vocabulary."""

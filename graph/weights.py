@@ -1,4 +1,5 @@
-"""Build a model from a DeepSeek-V3 checkpoint folder (or save one), with one clear error listing each problem."""
+"""Build a model from a checkpoint folder of any family we draft (or save one), with one clear error listing each
+problem."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,9 @@ from .checkpoint import (SCALE_SUFFIX, WEIGHT_DTYPES, CheckpointFiles, Slot, Wei
                          dequantize_fp8_block, expert_count_problems, hf_state_dict, quantize_fp8_block,
                          save_tensors)
 from .config import DTYPES, ConfigError, ModelConfig
+from .families import build_model, config_from_dir
+from .family import MtpModel
 from .layers import RotaryEmbedding
-from .model import DeepseekV3ForCausalLM
 
 __all__ = ["WeightLoadError", "load_model", "save_model", "resolve_dtype", "mtp_parameter",
            "parameter_part"]
@@ -20,7 +22,7 @@ __all__ = ["WeightLoadError", "load_model", "save_model", "resolve_dtype", "mtp_
 Part = Literal["all", "mtp"]
 #: Linear weights that DeepSeek-V3's fp8 checkpoints store quantised (router, norms, embedding, head stay bf16).
 FP8_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
-               "up_proj", "down_proj")
+               "up_proj", "down_proj", "wq_b", "wk")
 MAX_LISTED_PROBLEMS = 20
 
 
@@ -55,7 +57,7 @@ def mtp_parameter(name: str, cfg: ModelConfig) -> bool:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               part: Part = "all") -> DeepseekV3ForCausalLM:
+               part: Part = "all") -> MtpModel:
     """Build the model from ``config.json`` and fill it from the safetensors files by HF name.
 
     ``part="mtp"`` materialises only what drafting needs (the MTP layer(s), embedding, lm_head) and opens only
@@ -63,10 +65,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     dequantised tensor by tensor into ``dtype`` (default: the checkpoint's ``torch_dtype``).
     """
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     run_dtype = resolve_dtype(dtype, cfg)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg)
+        model = build_model(cfg)
     model.to(run_dtype)  # on meta: free; MoE gate biases stay fp32
     files = CheckpointFiles(model_dir)
     slots, aliases = checkpoint_layout(model, cfg)
@@ -139,7 +141,7 @@ def _fill(param: torch.Tensor, slot: Slot, value: torch.Tensor) -> None:
         target.copy_(value.to(param.dtype))
 
 
-def save_model(model: DeepseekV3ForCausalLM, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+def save_model(model: MtpModel, model_dir: str | Path, dtype: torch.dtype = torch.float32,
                max_shard_bytes: int | None = None, fp8_block: tuple[int, int] | None = None) -> Path:
     """Write the weights under HF names: ``model.safetensors``, or shards plus an index.
 

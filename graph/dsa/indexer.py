@@ -1,0 +1,96 @@
+"""DeepSeek Sparse Attention's lightning indexer: which cached tokens each query attends to.
+
+Every head scores every visible cached key, ``relu(q · k / √d)``; the per-token head weights sum the heads into
+one score per key; each query keeps its ``topk`` best. Selections are token positions within the request's
+context, ``-1`` where fewer than ``topk`` tokens are visible (a fixed width: ``topk`` is a shape, context is data).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import Linear, RotaryEmbedding
+from ..mla_kernels import PagedInputs
+from .config import INDEXER_NORM_EPS, DsaConfig
+
+#: a selection with nothing there: fewer visible tokens than ``topk``, or a pad row
+NO_TOKEN = -1
+
+
+class Indexer(nn.Module):
+    """``wq_b`` on the query latent, ``wk`` + LayerNorm on the layer's input, RoPE on the first
+    ``qk_rope_head_dim`` channels of both (half-split for DeepSeek-V3.2, interleaved for GLM-5), ``weights_proj``
+    for the per-head weights. HF parameter names (``self_attn.indexer.*``)."""
+
+    def __init__(self, cfg: DsaConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        ic = cfg.indexer
+        self.n_heads, self.head_dim, self.topk = ic.n_heads, ic.head_dim, ic.topk
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.rope = rope
+        self.half_split_rope = ic.rope == "half"
+        self.wq_b = Linear(cfg.q_lora_rank, ic.n_heads * ic.head_dim, bias=False)
+        self.wk = Linear(cfg.hidden_size, ic.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(ic.head_dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = Linear(cfg.hidden_size, ic.n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, head_dim]: the first ``rope_dim`` channels roped, the rest as they are."""
+        rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        rot = self.rope.rotate_halves(rot, positions) if self.half_split_rope else self.rope(rot, positions)
+        return torch.cat([rot, rest], dim=-1)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The layer input ``x [B, Q, D]`` → the keys it caches ``[B, Q, head_dim]``."""
+        return self._rope(self.k_norm(self.wk(x)).unsqueeze(-2), positions).squeeze(-2)
+
+    def _queries(self, q_resid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q = self.wq_b(q_resid).view(*q_resid.shape[:-1], self.n_heads, self.head_dim)
+        return self._rope(q, positions)
+
+    def _scores(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
+                keys: torch.Tensor) -> torch.Tensor:
+        """Index scores ``[B, Q, W]`` of queries at ``positions`` against ``keys [B, W, head_dim]``, in float32 (as
+        transformers and vLLM score them)."""
+        q = self._queries(q_resid, positions).float()  # [B, Q, H, d]
+        scores = torch.relu(torch.einsum("bqhd,bwd->bqhw", q, keys.float()) * self.head_dim ** -0.5)
+        weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, Q, H]
+        return torch.einsum("bqh,bqhw->bqw", weights, scores)
+
+    def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, inp: PagedInputs,
+                     key_cache: torch.Tensor) -> torch.Tensor:
+        """Top-k context positions ``[B, Q, topk]`` (``NO_TOKEN`` past the visible ones) of each query, scored
+        against the request's cached keys (this forward's already written): its live blocks of ``key_cache
+        [blocks, block, head_dim]`` through ``inp.block_table``."""
+        keys = key_cache[inp.block_table.long()].flatten(1, 2)  # [B, W, d], W = table width × block
+        scores = self._scores(x, q_resid, inp.positions, keys)
+        key_pos = torch.arange(keys.shape[1], device=keys.device)
+        visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
+            key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
+        return top_positions(scores, visible, self.topk)
+
+    def select_dense(self, x: torch.Tensor, q_resid: torch.Tensor) -> torch.Tensor:
+        """The same over whole sequences ``x [B, S, D]`` at positions 0..S-1, causal, no cache."""
+        s = x.shape[1]
+        positions = torch.arange(s, device=x.device).expand(x.shape[0], s)
+        scores = self._scores(x, q_resid, positions, self.keys(x, positions))
+        visible = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], s, s)
+        return top_positions(scores, visible, self.topk)
+
+
+def top_positions(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """``[B, Q, topk]`` positions of the best visible ``scores [B, Q, W]``, ``NO_TOKEN`` where fewer are visible.
+
+    The scores are padded with ``topk`` invisible columns, so one ``topk``-wide selection serves every context
+    width (no ``min(topk, W)``: that would make the context a graph dimension)."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    padded = torch.cat([scores, scores.new_full((*scores.shape[:-1], topk), float("-inf"))], dim=-1)
+    values, positions = padded.topk(topk, dim=-1)
+    return torch.where(values > float("-inf"), positions, torch.full_like(positions, NO_TOKEN))
+
+
+def selection_mask(selected: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, Q, topk]`` positions → a ``[B, Q, width]`` boolean mask of the selected ones."""
+    hit = torch.zeros(*selected.shape[:-1], width + 1, dtype=torch.bool, device=selected.device)
+    # NO_TOKEN lands in the extra last column, dropped
+    return hit.scatter(-1, torch.where(selected >= 0, selected, width), True)[..., :width]
