@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from ascend_spec.graph.config import ModelConfig, MoEConfig, YarnScaling
+from ascend_spec.graph.dsa.config import DsaConfig, IndexerConfig
+from ascend_spec.graph.families import build_model
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import fp8_quantization_config, save_model
 from ascend_spec.models import FIXTURE_MODEL_DIR
@@ -52,13 +54,39 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+_DSA_BASE = dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                 kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=96,
+                 eos_token_id=0, bos_token_id=0, max_position_embeddings=512)
+#: the DSA family (DeepSeek-V3.2, GLM-5.x) in miniature: ``index_topk`` 16, below every context the tests use, so
+#: the indexer's selection changes what attention reads. Name → config.
+DSA_PRESETS: dict[str, DsaConfig] = {
+    # GLM-5.2's shape: MoE from layer 1, layer 1 reuses layer 0's top-k (indexer_types full/shared), interleaved
+    # indexer RoPE, YaRN
+    "glm5-shared-topk": DsaConfig(**_DSA_BASE, model_type="glm_moe_dsa",
+                                  moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                                n_shared_experts=1, routed_scaling_factor=2.5,
+                                                first_k_dense_replace=1),
+                                  rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=128,
+                                                           mscale=1.0, mscale_all_dim=1.0),
+                                  indexer=IndexerConfig(n_heads=8, head_dim=32, topk=16, rope="interleaved",
+                                                        layer_types=("full", "shared", "full"))),
+    # DeepSeek-V3.2's: every layer its own indexer, half-split indexer RoPE, dense, draft steps share the top-k
+    "v32-half-rope": DsaConfig(**_DSA_BASE, model_type="deepseek_v32",
+                               indexer=IndexerConfig(n_heads=8, head_dim=32, topk=16, rope="half",
+                                                     layer_types=("full",) * 3, share_for_mtp=True)),
+}
+
+
 def random_weights(model: DeepseekV3ForCausalLM, seed: int = 0, std: float = 0.08) -> DeepseekV3ForCausalLM:
-    """Fill every parameter from a seeded generator: matrices N(0, std), norms U(0.8, 1.2), gate bias U(0, 0.05)."""
+    """Fill every parameter from a seeded generator: matrices and LayerNorm biases N(0, std), norm weights U(0.8, 1.2),
+    gate bias U(0, 0.05)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.rand(p.shape, generator=gen) * 0.05)
+            elif name.endswith(".bias"):  # LayerNorm's (the DSA indexer's k_norm)
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
             elif p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
             else:
@@ -70,14 +98,15 @@ def write_checkpoint(out_dir: str | Path, cfg: ModelConfig | str, seed: int = 0,
                      max_shard_bytes: int | None = None, fp8: bool = False) -> Path:
     """Write ``config.json`` + safetensors (+ the bundled tokenizer) for ``cfg`` (a preset name or a config)."""
     if isinstance(cfg, str):
-        if cfg not in PRESETS:
-            raise ValueError(f"unknown preset {cfg!r}; allowed: {sorted(PRESETS)}")
-        cfg = PRESETS[cfg]
+        presets = {**PRESETS, **DSA_PRESETS}
+        if cfg not in presets:
+            raise ValueError(f"unknown preset {cfg!r}; allowed: {sorted(presets)}")
+        cfg = presets[cfg]
     cfg = dataclasses.replace(cfg, torch_dtype=dtype)
     hf = cfg.to_hf_dict()
     if fp8:
         hf["quantization_config"] = fp8_quantization_config()
-    return _write_folder(out_dir, random_weights(DeepseekV3ForCausalLM(cfg), seed), hf,
+    return _write_folder(out_dir, random_weights(build_model(cfg), seed), hf,
                          max_shard_bytes=max_shard_bytes, fp8_block=(128, 128) if fp8 else None)
 
 
@@ -189,3 +218,26 @@ def w8a8_from(src_dir: str | Path, out_dir: str | Path, float_mtp: bool = False)
     hf["quantization_config"] = w8a8_quantization_config(ignore)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def agreeing_checkpoint(out_dir: str | Path, cfg: ModelConfig | str, seed: int = 0, layer_scale: float = 0.1) -> Path:
+    """A random checkpoint whose drafts get accepted (about 60 / 45 / 25% at draft positions 1..3 on the DSA
+    presets): random weights, every layer's output projection scaled by ``layer_scale`` and the embedding ×12, so
+    the target's next token is mostly a function of the current one; the MTP layer passes the next token's
+    normalised embedding through (``eh_proj`` ≈ [I, ·]) and shares the final norm, so it predicts the same function
+    one token later. Until a trained miniature of a family exists, its speculative paths see acceptance here."""
+    if isinstance(cfg, str):
+        cfg = {**PRESETS, **DSA_PRESETS}[cfg]
+    model = random_weights(build_model(cfg), seed)
+    d = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "w2_weight")):
+                p.mul_(layer_scale)
+        model.model.embed_tokens.weight.mul_(12.0)
+        mtp = model.mtp_layer(0)
+        mtp.eh_proj.weight.mul_(layer_scale)
+        mtp.eh_proj.weight[:, :d] += torch.eye(d)
+        mtp.enorm.weight.fill_(1.0)
+        mtp.shared_head.norm.weight.copy_(model.model.norm.weight)
+    return _write_folder(out_dir, model, cfg.to_hf_dict())

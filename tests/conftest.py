@@ -160,6 +160,20 @@ def moe_ckpts(tmp_path_factory):
             "bundled-moe": moe_from_bundled(root / "bundled-moe")}
 
 
+@pytest.fixture(scope="session")
+def dsa_ckpts(tmp_path_factory):
+    """The DSA family's miniatures (``ascend_spec_tools.tiny_models.DSA_PRESETS``), written once per session:
+    ``(preset, "random")`` → random weights (HF parity), ``(preset, "agreeing")`` → drafts get accepted."""
+    from ascend_spec_tools.tiny_models import DSA_PRESETS, agreeing_checkpoint, write_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny_dsa")
+    made = {}
+    for name in DSA_PRESETS:
+        made[(name, "random")] = write_checkpoint(root / f"{name}-random", name)
+        made[(name, "agreeing")] = agreeing_checkpoint(root / f"{name}-agreeing", name)
+    return made
+
+
 #: the buckets of a compiled engine whose subject is not a lone request's one-row graph (a lone request pads to two)
 TWO_ROW_BUCKETS = (2, 4)
 

@@ -82,10 +82,13 @@ def top_positions(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tor
     """``[B, Q, topk]`` positions of the best visible ``scores [B, Q, W]``, ``NO_TOKEN`` where fewer are visible.
 
     The scores are padded with ``topk`` invisible columns, so one ``topk``-wide selection serves every context
-    width (no ``min(topk, W)``: that would make the context a graph dimension)."""
+    width (no ``min(topk, W)``: that would make the context a graph dimension). Equal scores go to the earlier
+    position, whatever the width and the query count: ReLU scores tie at exactly 0 often enough, and ``topk``'s
+    order among ties follows its shapes, so a verify and a decode step would attend different tokens."""
     scores = scores.masked_fill(~visible, float("-inf"))
     padded = torch.cat([scores, scores.new_full((*scores.shape[:-1], topk), float("-inf"))], dim=-1)
-    values, positions = padded.topk(topk, dim=-1)
+    values, positions = padded.sort(dim=-1, descending=True, stable=True)
+    values, positions = values[..., :topk], positions[..., :topk]
     return torch.where(values > float("-inf"), positions, torch.full_like(positions, NO_TOKEN))
 
 

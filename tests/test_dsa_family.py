@@ -1,0 +1,191 @@
+"""The DSA family (DeepSeek-V3.2, GLM-5.x: MLA + DeepSeek Sparse Attention) in graph/: HF parity, its config's
+errors, its caches, and greedy speculative == no-spec through the engine. ``index_topk`` (16) is below every
+context here, so the indexer's choice changes what attention reads."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ascend_spec.config import EngineConfig, GraphModeConfig, SpeculativeConfig
+from ascend_spec.engine import load_engine
+from ascend_spec.graph.checkpoint import WeightLoadError
+from ascend_spec.graph.config import ConfigError
+from ascend_spec.graph.dsa.config import DsaConfig
+from ascend_spec.graph.dsa.indexer import NO_TOKEN, top_positions
+from ascend_spec.graph.dsa.sparse_kernels import gather_sparse_mla
+from ascend_spec.graph.families import config_from_hf
+from ascend_spec.graph.mla_kernels import PagedInputs, gather_mla
+from ascend_spec.graph.steps import make_target_step, slots_for
+from ascend_spec.graph.weights import load_model
+from ascend_spec.sampling import SamplingParams
+from ascend_spec_tools.tiny_models import DSA_PRESETS
+
+from .conftest import matrix
+
+EAGER = GraphModeConfig(enabled=False, backend="eager")
+BLOCK = 16
+
+
+def _paged_logits(model, ids: torch.Tensor, layout: str = "pair") -> torch.Tensor:
+    """Prefill all but the last 6 tokens, then decode them one by one (both paths of the paged caches)."""
+    n = ids.shape[1]
+    blocks = -(-n // BLOCK)
+    table = torch.arange(1, blocks + 1).view(1, -1)
+    pos = torch.arange(n).view(1, -1)
+    caches = tuple(model.cfg.layer_cache(layout, blocks + 1, BLOCK, torch.float32, "cpu")
+                   for _ in range(model.cfg.num_hidden_layers))
+    step = make_target_step(model)
+    cut = n - 6
+    _, head = step(ids[:, :cut], pos[:, :cut], slots_for(pos[:, :cut], table, BLOCK), table, torch.tensor([cut]),
+                   caches)
+    tail = [step(ids[:, t:t + 1], pos[:, t:t + 1], slots_for(pos[:, t:t + 1], table, BLOCK), table,
+                 torch.tensor([t + 1]), caches)[1] for t in range(cut, n)]
+    return torch.cat([head, *tail], dim=1)
+
+
+@pytest.mark.parametrize("preset", sorted(DSA_PRESETS))
+def test_target_logits_match_hf_fp32(dsa_ckpts, preset):
+    """Ours (paged, both cache layouts, and dense) against transformers' DeepseekV32ForCausalLM /
+    GlmMoeDsaForCausalLM, fp32, 60 tokens with top-k 16; and the selection matters: the same weights with top-k
+    past the context (dense attention) are far from HF's."""
+    from transformers import AutoModelForCausalLM
+
+    path = dsa_ckpts[(preset, "random")]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path)
+    ids = torch.randint(1, 2048, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        diffs = {"paged pair": (_paged_logits(ours, ids, "pair") - ref).abs().max().item(),
+                 "paged single": (_paged_logits(ours, ids, "single") - ref).abs().max().item(),
+                 "dense": (ours.logits(ours.target_dense(ids)) - ref).abs().max().item()}
+        ours.cfg = dataclasses.replace(ours.cfg, indexer=dataclasses.replace(ours.cfg.indexer, topk=4096))
+        for layer in ours.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.topk = 4096
+        dense_attention = (ours.logits(ours.target_dense(ids)) - ref).abs().max().item()
+    print(f"{preset}: max |logit diff| vs HF {diffs}; with top-k past the context {dense_attention:.3f} "
+          f"(logit scale {ref.abs().max():.2f})")
+    assert max(diffs.values()) < 1e-4
+    assert dense_attention > 1e-2
+
+
+def test_sparse_attention_over_every_visible_token_is_mla():
+    """With every visible token selected, the sparse kernel computes the dense reference kernel's function; with
+    fewer visible tokens than top-k the rest are ``NO_TOKEN``; a pad row (nothing visible) stays finite."""
+    gen = torch.Generator().manual_seed(0)
+    b, q, h, c, r, blocks = 3, 2, 4, 32, 8, 6
+    kv_c, kv_pe = torch.randn(blocks, BLOCK, c, generator=gen), torch.randn(blocks, BLOCK, r, generator=gen)
+    table = torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]])
+    seq_lens = torch.tensor([40, 20, 0])
+    positions = torch.stack([seq_lens - q + i for i in range(q)], dim=1).clamp(min=0)
+    inp = PagedInputs(positions, positions, table, seq_lens)
+    q_lat, q_pe = torch.randn(b, q, h, c, generator=gen), torch.randn(b, q, h, r, generator=gen)
+    width = table.shape[1] * BLOCK
+    key_pos = torch.arange(width)
+    visible = (key_pos <= positions.unsqueeze(-1)) & (key_pos < seq_lens.view(-1, 1, 1))
+    selected = top_positions(torch.randn(b, q, width, generator=gen), visible, topk=64)
+    assert (selected[1] != NO_TOKEN).sum(-1).tolist() == [19, 20] and (selected[2] == NO_TOKEN).all()
+    got = gather_sparse_mla(q_lat, q_pe, (kv_c, kv_pe), inp, selected, 0.1)
+    ref = gather_mla(q_lat, q_pe, (kv_c, kv_pe), inp, 0.1)
+    torch.testing.assert_close(got[:2], ref[:2], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+def test_ties_go_to_the_earlier_position_whatever_the_width():
+    scores = torch.tensor([[[0.0, 2.0, 0.0, 0.0, 1.0, 0.0]]])
+    visible = torch.ones_like(scores, dtype=torch.bool)
+    assert top_positions(scores, visible, 3).tolist() == [[[1, 4, 0]]]
+    wider = torch.cat([scores, torch.zeros(1, 1, 30)], dim=-1)
+    assert top_positions(wider, torch.ones_like(wider, dtype=torch.bool), 3).tolist() == [[[1, 4, 0]]]
+
+
+def test_the_cache_is_the_latent_then_the_index_keys():
+    cfg = DSA_PRESETS["glm5-shared-topk"]
+    pair = cfg.layer_cache("pair", 5, 128, torch.bfloat16, "cpu")
+    assert [tuple(t.shape) for t in pair] == [(5, 128, cfg.kv_lora_rank), (5, 128, cfg.qk_rope_head_dim),
+                                              (5, 128, cfg.indexer.head_dim)]
+    single = cfg.layer_cache("single", 5, 16, torch.float32, "cpu")
+    assert [tuple(t.shape) for t in single] == [(5, 16, cfg.latent_dim), (5, 16, cfg.indexer.head_dim)]
+
+
+def _hf(**changes) -> dict:
+    hf = DSA_PRESETS["glm5-shared-topk"].to_hf_dict()
+    for key, value in changes.items():
+        if value is None:
+            hf.pop(key, None)
+        else:
+            hf[key] = value
+    return hf
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"index_topk": 0}, r"index_topk=0; allowed: an integer >= 1"),
+    ({"index_topk": -2048}, r"index_topk=-2048; allowed: an integer >= 1"),
+    ({"index_n_heads": "8"}, r"index_n_heads='8'; allowed: an integer >= 1"),
+    ({"indexer_types": ["full", "sparse", "full"]}, r"indexer_types has 'sparse'; allowed: \['full', 'shared'\]"),
+    ({"indexer_types": ["shared", "full", "full"]}, r"indexer_types\[0\]='shared'; allowed: 'full'"),
+    ({"indexer_types": ["full", "full"]}, r"indexer_types has 2 entries for num_hidden_layers=3"),
+    ({"indexer_types": None, "index_topk_pattern": "FXF"}, r"index_topk_pattern has 'X'; allowed letters"),
+    ({"index_head_dim": None}, r"missing required key 'index_head_dim'"),
+    ({"index_head_dim": 8}, r"index_head_dim=8 < qk_rope_head_dim=16"),
+    ({"q_lora_rank": None}, r"q_lora_rank is null"),
+    ({"mlp_layer_types": ["sparse", "sparse", "sparse"]}, r"mlp_layer_types=.* disagrees with first_k_dense_replace"),
+    ({"model_type": "deepseek_v4"}, r"model_type='deepseek_v4' is not a family we draft; allowed: \['deepseek_v3', "
+                                    r"'deepseek_v32', 'glm_moe_dsa'\]"),
+])
+def test_bad_dsa_configs_give_one_clear_error(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(_hf(**changes))
+
+
+def test_indexer_layer_types_follow_transformers_and_vllm():
+    """``index_topk_pattern`` letters, and ``index_topk_freq`` / ``index_skip_topk_offset`` (the rule vLLM's
+    ``attention.py`` and transformers share); every layer full without either."""
+    base = _hf(indexer_types=None, num_hidden_layers=5, mlp_layer_types=None)
+    assert config_from_hf({**base, "index_topk_pattern": "FSSFF"}).indexer.layer_types == (
+        "full", "shared", "shared", "full", "full")
+    # offset 2 (the default): layers 0 and 1 full, then every second
+    assert config_from_hf({**base, "index_topk_freq": 2}).indexer.layer_types == (
+        "full", "full", "shared", "full", "shared")
+    assert config_from_hf(base).indexer.layer_types == ("full",) * 5
+    assert isinstance(config_from_hf(base), DsaConfig)
+
+
+def test_missing_indexer_weights_are_named(dsa_ckpts, tmp_path):
+    src = dsa_ckpts[("v32-half-rope", "random")]
+    tensors = load_file(src / "model.safetensors")
+    dropped = "model.layers.3.self_attn.indexer.wk.weight"  # the MTP layer's own indexer
+    del tensors[dropped]
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(WeightLoadError, match=rf"missing tensor '{dropped}'"):
+        load_model(tmp_path)
+
+
+def _greedy(path, k, max_num_seqs=4):
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    eng = load_engine(path, EngineConfig(max_model_len=128, max_num_seqs=max_num_seqs, speculative=spec, graph=EAGER,
+                                         adaptive_k=False))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 2048, (n,), generator=gen).tolist() for n in (40, 23, 7, 55)]
+    outs, _, metrics = eng.generate(prompts, SamplingParams(), [30, 25, 20, 35])
+    return [o.token_ids for o in outs], metrics
+
+
+@pytest.mark.parametrize("preset,k", [("glm5-shared-topk", 2), ("v32-half-rope", 3),
+                                      matrix("glm5-shared-topk", 1), matrix("glm5-shared-topk", 3),
+                                      matrix("v32-half-rope", 1), matrix("v32-half-rope", 2)])
+def test_greedy_spec_equals_no_spec(dsa_ckpts, preset, k):
+    """Token for token at K drafts, with drafts accepted (contexts up to 90 tokens, top-k 16). v32-half-rope's
+    draft steps share the first step's top-k (``index_share_for_mtp_iteration``)."""
+    path = dsa_ckpts[(preset, "agreeing")]
+    ref, _ = _greedy(path, 0)
+    got, metrics = _greedy(path, k)
+    print(f"{preset} K={k}: acceptance per position {metrics.acceptance_per_position}")
+    assert got == ref
+    assert metrics.acceptance_per_position[0] > 0.3
