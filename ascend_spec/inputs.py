@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graph.mla_kernels import live_blocks
+from .graph.paging import live_blocks
 from .requests import Sequence
 from .sampling import GREEDY, SamplingParams, SamplingTensors
 

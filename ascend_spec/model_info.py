@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from .graph.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
-from .graph.model import DeepseekV3ForCausalLM
+from .graph.config import DTYPES
+from .graph.families import build_model, config_from_dir
 from .graph.weights import FP8_LINEARS, parameter_part
 from .models import BUNDLED_MODEL_DIR
 
@@ -60,9 +60,9 @@ def inspect_model(model_dir: str | Path) -> dict:
     ``weight_scale_inv`` per block (per expert for stacked experts), everything else bf16.
     """
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     with torch.device("meta"):  # shapes only: no allocation, no weights
-        model = DeepseekV3ForCausalLM(cfg)
+        model = build_model(cfg)
     block = cfg.quantization.weight_block_size if cfg.quantization else (128, 128)
     dtypes = [*DTYPES, "fp8"]
 
@@ -92,7 +92,7 @@ def inspect_model(model_dir: str | Path) -> dict:
                     "active_parameters_per_token": {s: counts[s] - inactive[s] for s in ("target", "mtp")}}
     return {
         "model": str(model_dir),
-        "architecture": SUPPORTED_ARCHITECTURES[0],  # from_dir accepts no other
+        "architecture": cfg.to_hf_dict()["architectures"][0],
         "parameters": {**counts, "total": counts["target"] + counts["mtp"]},
         "layers": {"num_hidden_layers": cfg.num_hidden_layers,
                    "mtp_layers": list(range(cfg.num_hidden_layers, cfg.num_layers_with_mtp)),
@@ -102,10 +102,10 @@ def inspect_model(model_dir: str | Path) -> dict:
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
         "softmax_scale": cfg.softmax_scale,
         "bytes": nbytes,
-        # MLA caches one latent (c_kv ‖ k_pe) per token per layer, shared by all heads.
+        # MLA caches one latent (c_kv ‖ k_pe) per token per layer, shared by all heads (DSA: and an index key).
         "kv_cache_bytes_per_token": {
-            dt: {"target": cfg.num_hidden_layers * cfg.latent_dim * t.itemsize,
-                 "mtp": cfg.num_nextn_predict_layers * cfg.latent_dim * t.itemsize}
+            dt: {"target": cfg.num_hidden_layers * cfg.cache_token_width * t.itemsize,
+                 "mtp": cfg.num_nextn_predict_layers * cfg.cache_token_width * t.itemsize}
             for dt, t in KV_DTYPES.items()},
         "checkpoint_dtype": cfg.torch_dtype,
         "quantization": ({"method": cfg.quantization.method,

@@ -30,7 +30,7 @@ class DraftInputs:
     token_indices_to_sample: torch.Tensor  # [B]
     block_table: torch.Tensor  # [B, M]
     seq_lens: torch.Tensor  # [B]
-    #: host ints, where each row's query block ends (``mla_kernels.PagedInputs.seq_lens_host``), for attention
+    #: host ints, where each row's query block ends (``paging.PagedInputs.seq_lens_host``), for attention
     #: that reads them (``model.takes_host_lengths``); else None
     seq_lens_host: tuple[int, ...] | None = None
 

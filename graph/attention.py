@@ -10,7 +10,8 @@ from torch import nn
 from .config import ModelConfig
 from .latent_cache import LatentCache, latent_parts, write_latent_cache
 from .layers import Linear, RMSNorm, RotaryEmbedding
-from .mla_kernels import MLAKernel, PagedInputs, gather_mla
+from .mla_kernels import MLAKernel, gather_mla
+from .paging import PagedInputs
 
 
 class MLAttention(nn.Module):

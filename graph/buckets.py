@@ -87,7 +87,7 @@ class BucketedGraph:
                  batch_args: Sequence[BatchArg], query_widths: Sequence[int] = (), host_lengths: bool = False
                  ) -> None:
         """``host_lengths``: ``fn`` takes last the KV lengths as host ints (attention that reads them, see
-        ``mla_kernels.PagedInputs.seq_lens_host``); every call passes them, padded here with the pad rows' 0 and,
+        ``paging.PagedInputs.seq_lens_host``); every call passes them, padded here with the pad rows' 0 and,
         where the query pads with inert tokens, lengthened as the query block is."""
         if not sizes:
             raise ValueError(f"{prefix}: graph batch sizes must not be empty")

@@ -196,6 +196,11 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
+    def cache_token_width(self) -> int:
+        """Elements one token takes in one layer's cache (``layer_cache``): the latent."""
+        return self.latent_dim
+
+    @property
     def softmax_scale(self) -> float:
         scale = self.qk_head_dim ** -0.5
         return scale * self.rope_scaling.softmax_scale_factor if self.rope_scaling else scale

@@ -11,7 +11,7 @@ from torch import nn
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .config import ModelConfig
-    from .mla_kernels import PagedInputs
+    from .paging import PagedInputs
 
 #: one layer's paged cache, whatever the family keeps there (``ModelConfig.layer_cache`` allocates it): a tensor or
 #: a tuple of tensors sharing the block ids and block size (``[blocks, block, width]`` each)

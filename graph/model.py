@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .attention import MLAttention, PagedInputs
+from .attention import MLAttention
+from .paging import PagedInputs
 from .config import ModelConfig
 from .latent_cache import LatentCache
 from .layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding

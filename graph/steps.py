@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .attention import PagedInputs
+from .paging import PagedInputs
 from .latent_cache import LatentCache, block_size_of, slots_for
 from .family import MtpModel
 
@@ -143,9 +143,9 @@ def make_draft_step(model: MtpModel, num_speculative_tokens: int, max_model_len:
                                    None if on_device else draft_lens_host(seq_lens_host, step, host_cap),
                                    kv_lens_on_device=on_device)
             h_prev = model.mtp_layer(step - 1).shared_head.norm(h_last)
+            step_emb = None if emb is None else emb.view(-1, 1, emb.shape[-1])
             h_next, carry = model.mtp_paged(token.view(-1, 1), h_prev.view(-1, 1, h_prev.shape[-1]), step_inp,
-                                            cache, step=step, emb=None if emb is None else emb.view(-1, 1, emb.shape[-1]),
-                                            carry=carry)
+                                            cache, step=step, emb=step_emb, carry=carry)
             h_last = h_next.squeeze(1)
             token, emb, logits = model.mtp_greedy(h_last, step=step,
                                                   with_embedding=step + 1 < num_speculative_tokens)

@@ -60,7 +60,7 @@ def test_mtp_only_load_reads_no_target_layer(sharded, tmp_path):
 
 
 def test_mtp_only_load_drafts_like_the_full_model(sharded):
-    from ascend_spec.graph.attention import PagedInputs
+    from ascend_spec.graph.paging import PagedInputs
 
     full, mtp = load_model(sharded), load_model(sharded, part="mtp")
     gen = torch.Generator().manual_seed(0)

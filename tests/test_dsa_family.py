@@ -18,7 +18,8 @@ from ascend_spec.graph.dsa.config import DsaConfig
 from ascend_spec.graph.dsa.indexer import NO_TOKEN, top_positions
 from ascend_spec.graph.dsa.sparse_kernels import gather_sparse_mla
 from ascend_spec.graph.families import config_from_hf
-from ascend_spec.graph.mla_kernels import PagedInputs, gather_mla
+from ascend_spec.graph.mla_kernels import gather_mla
+from ascend_spec.graph.paging import PagedInputs
 from ascend_spec.graph.steps import make_target_step, slots_for
 from ascend_spec.graph.weights import load_model
 from ascend_spec.sampling import SamplingParams
@@ -189,3 +190,29 @@ def test_greedy_spec_equals_no_spec(dsa_ckpts, preset, k):
     print(f"{preset} K={k}: acceptance per position {metrics.acceptance_per_position}")
     assert got == ref
     assert metrics.acceptance_per_position[0] > 0.3
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_without_recompiles_or_host_syncs(dsa_ckpts):
+    """The GLM-5.2-shaped miniature (full and shared top-k layers, MoE) through inductor's graphs at K = 2: the
+    tokens and acceptance of eager, 0 recompiles after warm-up (under ``fail_on_recompile``), 0 host syncs, 0
+    graph failures, every bucket replayed."""
+    from .conftest import generate_without_recompiles
+
+    path = dsa_ckpts[("glm5-shared-topk", "agreeing")]
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=2, speculative=SpeculativeConfig(num_speculative_tokens=2),
+                       graph=GraphModeConfig(backend="inductor", graph_batch_sizes=(1, 2)), adaptive_k=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 2048, (n,), generator=gen).tolist() for n in (40, 23, 55)]
+    max_tokens = [30, 12, 35]
+    compiled = load_engine(path, cfg, count_host_syncs=True)
+    compiled.warmup(progress=False)
+    got, stats, metrics = compiled.generate(prompts, SamplingParams(), max_tokens)
+    eager = load_engine(path, dataclasses.replace(cfg, graph=EAGER))
+    ref, _, ref_metrics = eager.generate(prompts, SamplingParams(), max_tokens)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert metrics.as_dict() == ref_metrics.as_dict() and metrics.acceptance_per_position[0] > 0.3
+    assert (stats.backend, stats.recompiles_after_warmup, stats.host_syncs) == ("inductor", 0, 0)
+    assert stats.graph_failures == 0 and stats.graph_host_ops == 0
+    _, seen = generate_without_recompiles(compiled, prompts, max_tokens)
+    assert seen == {1, 2}

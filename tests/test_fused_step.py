@@ -20,7 +20,7 @@ from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_E
                                   TRIAL_EVERY, TRIAL_STEPS,
                                   AdaptiveK, choose_k, expected_tokens_per_step, explore_every, speedup_limit,
                                   stop_margin)
-from ascend_spec.graph.mla_kernels import live_blocks
+from ascend_spec.graph.paging import live_blocks
 from ascend_spec.k_policy import ACCEPTANCE_WINDOW, LEARN_POSITION_DRAFTS, KPolicy
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ascend_spec.graph.attention import PagedInputs
+from ascend_spec.graph.paging import PagedInputs
 from ascend_spec.graph.latent_cache import write_latent_cache
 from ascend_spec.graph.config import ConfigError, ModelConfig
 from ascend_spec.graph.layers import RotaryEmbedding

@@ -18,7 +18,8 @@ from ascend_spec.fused_step import make_spec_step
 from ascend_spec.graph.backends.eager import EagerBackend
 from ascend_spec.graph.backends.torchair import with_host_lengths_dynamic
 from ascend_spec.graph.buckets import BatchArg, BucketedGraph
-from ascend_spec.graph.mla_kernels import HOST_LENGTHS_ARG, HOST_LENGTHS_SOURCES, gather_mla, npu_mla
+from ascend_spec.graph.mla_kernels import gather_mla, npu_mla
+from ascend_spec.graph.paging import HOST_LENGTHS_ARG, HOST_LENGTHS_SOURCES
 from ascend_spec.graph.steps import draft_lens_host, make_draft_step, make_prefill_step, make_target_step
 from ascend_spec.sampling import GREEDY, SamplingParams
 from ascend_spec.sync_counter import suspended

@@ -10,7 +10,8 @@ import torch
 
 from ascend_spec.graph import mla_kernels
 from ascend_spec.graph.backends.base import clone_with_name
-from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, PagedInputs, gather_mla, live_blocks
+from ascend_spec.graph.mla_kernels import NPU_ATTENTION_KWARGS, gather_mla
+from ascend_spec.graph.paging import PagedInputs, live_blocks
 from ascend_spec.sync_counter import HostSyncCounter, suspended
 
 from .conftest import npu_available

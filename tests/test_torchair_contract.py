@@ -378,7 +378,8 @@ def test_npu_mla_output_layout_matches_wheel_meta(npu_wheel_ops, monkeypatch, q_
     import torch
 
     from ascend_spec.graph import mla_kernels
-    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_OP, NPU_INPUT_LAYOUT, PagedInputs
+    from ascend_spec.graph.mla_kernels import NPU_ATTENTION_OP, NPU_INPUT_LAYOUT
+    from ascend_spec.graph.paging import PagedInputs
 
     meta_fn = _wheel_meta_function(npu_wheel_ops.meta, f"{NPU_ATTENTION_OP}_forward")
     seen = {}

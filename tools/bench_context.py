@@ -28,7 +28,7 @@ from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import Engine
 from ascend_spec.timing import time_call
 from ascend_spec.graph.latent_cache import DEFAULT_BLOCK_SIZE, cache_tensors
-from ascend_spec.graph.mla_kernels import live_blocks
+from ascend_spec.graph.paging import live_blocks
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import BUNDLED_MODEL_DIR
 

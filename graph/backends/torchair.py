@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..mla_kernels import HOST_LENGTHS_SOURCES, NPU_DEVICE_LENGTHS_OP
+from ..mla_kernels import NPU_DEVICE_LENGTHS_OP
+from ..paging import HOST_LENGTHS_SOURCES
 from .base import BackendUnavailable, DynamicDims, GraphFn, ShapePolicy, clone_with_name
 from .lint import GraphLint
 
@@ -176,7 +177,7 @@ def lint_trace(lint: GraphLint, fn: GraphFn, tag: str, args: tuple[Any, ...]) ->
 
 
 def with_host_lengths_dynamic(compiled: GraphFn) -> GraphFn:
-    """``compiled``, tracing the host KV lengths (``mla_kernels.HOST_LENGTHS_ARG``) as symbols: torchair feeds a
+    """``compiled``, tracing the host KV lengths (``paging.HOST_LENGTHS_ARG``) as symbols: torchair feeds a
     SymInt input to the GE graph as a host input, where an int would be a constant (a graph per length).
     ``dynamic_sources`` is read when Dynamo traces, so it is set around every call."""
 

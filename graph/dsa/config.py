@@ -48,8 +48,8 @@ class IndexerConfig:
         if bad:
             raise ConfigError(f"config.json: indexer_types has {bad[0]!r}; allowed: {list(INDEXER_TYPES)}")
         if self.layer_types and self.layer_types[0] != "full":
-            raise ConfigError("config.json: indexer_types[0]='shared'; allowed: 'full' (a shared layer reuses the top-k "
-                              "of a full layer before it)")
+            raise ConfigError("config.json: indexer_types[0]='shared'; allowed: 'full' (a shared layer reuses the "
+                              "top-k of a full layer before it)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,11 @@ class DsaConfig(ModelConfig):
                                        dtype, device)
         keys = torch.zeros(num_blocks, block_size, self.indexer.head_dim, dtype=dtype, device=device)
         return (latent, keys) if isinstance(latent, torch.Tensor) else (*latent, keys)
+
+    @property
+    def cache_token_width(self) -> int:
+        """The latent and the index key."""
+        return self.latent_dim + self.indexer.head_dim
 
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         hf = ModelConfig.to_hf_dict(self, dtype)

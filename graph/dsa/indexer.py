@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..layers import Linear, RotaryEmbedding
-from ..mla_kernels import PagedInputs
+from ..paging import PagedInputs
 from .config import INDEXER_NORM_EPS, DsaConfig
 
 #: a selection with nothing there: fewer visible tokens than ``topk``, or a pad row

@@ -14,7 +14,7 @@ from torch import nn
 from ..attention import MLAttention
 from ..latent_cache import LatentCache, latent_parts, write_latent_cache
 from ..layers import MLP, Embedding, Linear, RMSNorm, RotaryEmbedding
-from ..mla_kernels import PagedInputs
+from ..paging import PagedInputs
 from ..model import DeepseekV3ForCausalLM, MTPLayer, SharedHead
 from ..moe import MoE
 from .config import DsaConfig
@@ -93,15 +93,26 @@ class DsaAttention(MLAttention):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), selected
 
 
-def _dsa_layer_paged(layer: "DsaDecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: DsaCache,
-                     selected: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    attn, selected = layer.self_attn.forward_paged_sparse(layer.input_layernorm(x), inp, cache, selected)
+def _full_layer_paged(layer: "DsaDecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: DsaCache
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer with its own indexer: (out, its top-k)."""
+    attn, selected = layer.self_attn.forward_paged_sparse(layer.input_layernorm(x), inp, cache)
     h = x + attn
     return h + layer.mlp(layer.post_attention_layernorm(h)), selected
 
 
+def _shared_layer_paged(layer: "DsaDecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: DsaCache,
+                        selected: torch.Tensor) -> torch.Tensor:
+    """A ``shared`` layer: attends ``selected``; returns only its output (a compile region may not hand an input
+    back as an output)."""
+    attn, _ = layer.self_attn.forward_paged_sparse(layer.input_layernorm(x), inp, cache, selected)
+    h = x + attn
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 #: one compile of a layer body per structure (full / shared, dense / MoE), replayed for the layers alike
-_dsa_layer_region = torch.compiler.nested_compile_region(_dsa_layer_paged)
+_full_layer_region = torch.compiler.nested_compile_region(_full_layer_paged)
+_shared_layer_region = torch.compiler.nested_compile_region(_shared_layer_paged)
 
 
 class DsaDecoderLayer(nn.Module):
@@ -118,8 +129,11 @@ class DsaDecoderLayer(nn.Module):
     def forward_paged(self, x: torch.Tensor, inp: PagedInputs, cache: DsaCache,
                       selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x → (out, the top-k this layer attended: what a following shared layer reuses)."""
-        body = _dsa_layer_region if self.compile_region else _dsa_layer_paged
-        return body(self, x, inp, cache, None if self.self_attn.indexer is not None else selected)
+        if self.self_attn.indexer is not None:
+            return (_full_layer_region if self.compile_region else _full_layer_paged)(self, x, inp, cache)
+        assert selected is not None, "a shared DSA layer needs the top-k of a full layer before it"
+        body = _shared_layer_region if self.compile_region else _shared_layer_paged
+        return body(self, x, inp, cache, selected), selected
 
     def forward_dense(self, x: torch.Tensor, selected: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:

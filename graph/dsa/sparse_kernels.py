@@ -7,7 +7,8 @@ from typing import Protocol
 
 import torch
 
-from ..mla_kernels import CacheParts, PagedInputs
+from ..mla_kernels import CacheParts
+from ..paging import PagedInputs
 
 
 class SparseMLAKernel(Protocol):
