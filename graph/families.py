@@ -1,6 +1,5 @@
 """The model families we draft, by HF ``model_type``: each a config class and a model class behind
-:class:`.family.MtpModel`. A new family is a folder beside :mod:`.dsa` and one entry here (docs/model-families.md).
-"""
+:class:`.family.MtpModel`; a new family is a folder beside :mod:`.dsa` and one entry here."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,5 @@
-"""The model contract: what the step functions (:mod:`.steps`), the fused step, the engine and ``compat/`` call on a
-model, whichever family it is. docs/model-families.md explains each member; :mod:`.families` lists the families.
-"""
+"""The model contract: what the step functions, the fused step, the engine and ``compat/`` call on a model, whichever
+family it is (docs/model-families.md explains each member)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol

@@ -1,6 +1,5 @@
 """What every family's paged forward takes, whatever its attention: the per-forward inputs and the live width of a
-block table. Attention kernels (:mod:`.mla_kernels`, :mod:`.dsa.sparse_kernels`) read these.
-"""
+block table."""
 from __future__ import annotations
 
 from typing import NamedTuple

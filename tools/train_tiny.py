@@ -37,6 +37,9 @@ from ascend_spec.graph.model import DeepseekV3ForCausalLM
 from ascend_spec.graph.weights import load_model, save_model
 
 EOS = "<|endoftext|>"
+#: forward passes under bf16 autocast (the DSA miniature's script turns it off: on CPUs without native bf16, bf16
+#: backward matmuls run ~10x slower than fp32)
+AUTOCAST_BF16 = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def batches(stream: np.ndarray, cfg: TrainConfig, rng: np.random.Generator) -> t
 
 def losses(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Main loss (t+1), MTP loss (t+2), and their logits."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST_BF16):
         hidden = model.target_dense(x[:, :-1])
         logits = model.logits(hidden)
         # MTP at position t: hidden h_t and embedding of token t+1 → token t+2.
@@ -115,10 +118,10 @@ def losses(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> tuple[torch.Tensor,
 
 def distill_loss(model: DeepseekV3ForCausalLM, x: torch.Tensor) -> torch.Tensor:
     """KL(target ‖ MTP) for token t+2: the teacher is the frozen target's own distribution at t+1."""
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST_BF16):
         hidden = model.target_dense(x[:, :-1])
         teacher = model.logits(hidden[:, 1:]).float()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST_BF16):
         student = model.mtp_logits(model.mtp_dense(x[:, 1:-1], hidden[:, :-1]))
     return F.kl_div(F.log_softmax(student.float(), -1).flatten(0, 1), F.log_softmax(teacher, -1).flatten(0, 1),
                     log_target=True, reduction="batchmean")

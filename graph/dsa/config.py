@@ -1,8 +1,5 @@
-"""The DSA family's configuration: DeepSeek-V3's MLA, MoE and RoPE fields, plus the lightning indexer's.
-
-Read from an HF ``config.json`` of DeepSeek-V3.2 (``deepseek_v32``) or GLM-5.x (``glm_moe_dsa``); anything else is
-one :class:`ConfigError` naming the key and the allowed values.
-"""
+"""The DSA family's configuration: DeepSeek-V3's MLA, MoE and RoPE fields plus the lightning indexer's, read from a
+DeepSeek-V3.2 (``deepseek_v32``) or GLM-5.x (``glm_moe_dsa``) ``config.json``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,9 +1,5 @@
-"""DeepSeek Sparse Attention's lightning indexer: which cached tokens each query attends to.
-
-Every head scores every visible cached key, ``relu(q · k / √d)``; the per-token head weights sum the heads into
-one score per key; each query keeps its ``topk`` best. Selections are token positions within the request's
-context, ``-1`` where fewer than ``topk`` tokens are visible (a fixed width: ``topk`` is a shape, context is data).
-"""
+"""DeepSeek Sparse Attention's lightning indexer: which cached tokens each query attends to (``topk`` context
+positions per query, ``-1`` past the visible ones). docs/model-families.md has the details."""
 from __future__ import annotations
 
 import torch

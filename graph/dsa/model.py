@@ -1,10 +1,5 @@
-"""DeepSeek-V3.2 / GLM-5.x: MLA with DeepSeek Sparse Attention, and their MTP layer (a full DSA layer with its own
-indexer), behind the same model contract as DeepSeek-V3 (docs/model-families.md). HF parameter names.
-
-A layer's cache is one flat tuple: the latent cache's tensor(s), then the indexer's key cache (see
-``DsaConfig.layer_cache``). A ``shared`` layer (GLM-5.2) attends the top-k of the last ``full`` layer before it;
-the draft chain's carry is the MTP layer's selection where ``index_share_for_mtp_iteration`` reuses it.
-"""
+"""DeepSeek-V3.2 / GLM-5.x: MLA with DeepSeek Sparse Attention and their MTP layer (a DSA layer with its own
+indexer), behind DeepSeek-V3's model contract (docs/model-families.md). HF parameter names."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,5 @@
 """Sparse MLA: latent queries against only the cached tokens the indexer selected.
-The reference kernel reads ``topk`` tokens per query, whatever the context length.
-"""
+The reference kernel reads ``topk`` tokens per query, whatever the context length."""
 from __future__ import annotations
 
 from typing import Protocol
