@@ -216,3 +216,43 @@ def test_compiled_equals_eager_without_recompiles_or_host_syncs(dsa_ckpts):
     assert stats.graph_failures == 0 and stats.graph_host_ops == 0
     _, seen = generate_without_recompiles(compiled, prompts, max_tokens)
     assert seen == {1, 2}
+
+
+@pytest.mark.parametrize("preset,shares", [("v32-half-rope", True), ("glm5-shared-topk", False)])
+def test_draft_steps_reuse_the_first_steps_top_k_where_the_config_shares_it(dsa_ckpts, preset, shares, monkeypatch):
+    """``index_share_for_mtp_iteration``: draft steps 2..K attend the top-k draft step 1 chose for each row's
+    sampled token (vLLM's ``set_skip_topk``); without it each step selects its own."""
+    from ascend_spec.graph.dsa.model import DsaAttention
+    from ascend_spec.graph.steps import make_draft_step
+
+    model = load_model(dsa_ckpts[(preset, "agreeing")])
+    calls = []
+    forward = DsaAttention.forward_paged_sparse
+
+    def recording(self, x, inp, cache, selected=None):
+        out, chosen = forward(self, x, inp, cache, selected)
+        calls.append((selected, chosen))
+        return out, chosen
+
+    monkeypatch.setattr(DsaAttention, "forward_paged_sparse", recording)
+    b, q, blocks = 2, 3, 4
+    table = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 0]])
+    seq_lens = torch.tensor([40, 30])
+    positions = seq_lens.view(-1, 1) - q + torch.arange(q)
+    cache = model.cfg.layer_cache("pair", 8, BLOCK, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for t in cache:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    sample_idx = torch.tensor([2, 0])
+    step = make_draft_step(model, 3, 128)
+    with torch.no_grad():
+        step(torch.randint(1, 2048, (b, q), generator=gen), positions,
+             torch.randn(b, q, model.cfg.hidden_size, generator=gen), sample_idx, slots_for(positions, table, BLOCK),
+             table, seq_lens, torch.full((b,), 128), cache)
+    assert len(calls) == 3 and calls[0][0] is None
+    first = calls[0][1][torch.arange(b), sample_idx].unsqueeze(1)  # [B, 1, topk]
+    for selected, chosen in calls[1:]:
+        if shares:
+            assert torch.equal(selected, first) and torch.equal(chosen, first)
+        else:
+            assert selected is None and chosen.shape == first.shape and not torch.equal(chosen, first)

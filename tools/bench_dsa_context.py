@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Does a sparse draft step cost what its top-k costs? The K-step MTP chain's time at live context 512 and 8,192.
+
+    python tools/bench_dsa_context.py                      # the bundled DSA miniature beside the bundled DeepSeek-V3
+    python tools/bench_dsa_context.py --models DIR --contexts 512 8192 32768 --batches 1 8
+
+Each request holds ``context`` tokens (random latents and index keys in the caches: costs follow shapes, not
+values); the draft chain (``graph.steps.make_draft_step``, eager) drafts ``K`` tokens from a verified block of
+``1 + K``. Medians of interleaved repeats; each ratio is to the first context of the same model and batch. With
+DeepSeek Sparse Attention the attention reads ``index_topk`` tokens whatever the context; the indexer still scores
+every live key (its cost is the part that grows). Dense MLA (DeepSeek-V3) reads every live token.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ascend_spec.graph.latent_cache import cache_tensors
+from ascend_spec.graph.steps import make_draft_step, slots_for
+from ascend_spec.graph.weights import load_model
+from ascend_spec.models import BUNDLED_DSA_MODEL_DIR, BUNDLED_MODEL_DIR
+
+BLOCK = 16
+
+
+def draft_inputs(model, batch: int, context: int, k: int, gen: torch.Generator) -> tuple:
+    q = 1 + k
+    blocks = -(-(context + k) // BLOCK)
+    table = torch.arange(1, batch * blocks + 1).view(batch, blocks)
+    cache = model.cfg.layer_cache("pair", batch * blocks + 1, BLOCK, model.lm_head.weight.dtype, "cpu")
+    for t in cache_tensors(cache):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    seq_lens = torch.full((batch,), context)
+    positions = seq_lens.view(-1, 1) - q + torch.arange(q)
+    return (torch.randint(1, model.cfg.vocab_size, (batch, q), generator=gen), positions,
+            torch.randn(batch, q, model.cfg.hidden_size, generator=gen), torch.full((batch,), q - 1),
+            slots_for(positions, table, BLOCK), table, seq_lens, torch.full((batch,), context + 4 * k), cache)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=Path, nargs="+", default=[BUNDLED_DSA_MODEL_DIR, BUNDLED_MODEL_DIR])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for path in args.models:
+        model = load_model(path)
+        cfg = model.cfg
+        kind = f"DSA top-{cfg.indexer.topk}" if hasattr(cfg, "indexer") else "dense MLA"
+        step = make_draft_step(model, args.k, max(args.contexts) + 4 * args.k)
+        for batch in args.batches:
+            inputs = {c: draft_inputs(model, batch, c, args.k, gen) for c in args.contexts}
+            times: dict[int, list[float]] = {c: [] for c in args.contexts}
+            with torch.no_grad():
+                for c in args.contexts:
+                    step(*inputs[c])  # warm
+                for _ in range(args.rounds):  # interleaved: each round times every context
+                    for c in args.contexts:
+                        for _ in range(args.repeats):
+                            t0 = time.perf_counter()
+                            step(*inputs[c])
+                            times[c].append(time.perf_counter() - t0)
+            med = {c: statistics.median(ts) * 1e3 for c, ts in times.items()}
+            first = args.contexts[0]
+            rows.append((path.name, kind, batch, med, {c: med[c] / med[first] for c in args.contexts}))
+    print(f"draft chain K={args.k}, eager, medians of {args.rounds}×{args.repeats}; ms (ratio to context "
+          f"{args.contexts[0]})")
+    header = "| model | attention | batch | " + " | ".join(f"context {c:,}" for c in args.contexts) + " |"
+    print(header)
+    print("|" + "---|" * (3 + len(args.contexts)))
+    for name, kind, batch, med, ratio in rows:
+        cells = " | ".join(f"{med[c]:.2f} ({ratio[c]:.2f}×)" for c in args.contexts)
+        print(f"| {name} | {kind} | {batch} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
