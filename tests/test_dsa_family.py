@@ -256,3 +256,43 @@ def test_draft_steps_reuse_the_first_steps_top_k_where_the_config_shares_it(dsa_
             assert torch.equal(selected, first) and torch.equal(chosen, first)
         else:
             assert selected is None and chosen.shape == first.shape and not torch.equal(chosen, first)
+
+
+def test_fp8_sharded_checkpoint_loads_the_indexer_dequantised(dsa_ckpts, tmp_path):
+    """DeepSeek-V3.2's fp8 checkpoints quantise the indexer's ``wq_b`` and ``wk`` as the other linears (block fp8
+    with ``weight_scale_inv``; ``weights_proj`` stays float), in shards: loaded dequantised, in bf16 by default."""
+    from ascend_spec.graph.checkpoint import INDEX_FILE
+    from ascend_spec_tools.tiny_models import write_checkpoint
+
+    fp8_dir = write_checkpoint(tmp_path / "fp8", "v32-half-rope", fp8=True, max_shard_bytes=1 << 20)
+    names = json.loads((fp8_dir / INDEX_FILE).read_text())["weight_map"]
+    wk = "model.layers.0.self_attn.indexer.wk.weight"
+    assert wk + "_scale_inv" in names and "model.layers.0.self_attn.indexer.weights_proj.weight_scale_inv" not in names
+    ref, got = load_model(dsa_ckpts[("v32-half-rope", "random")]), load_model(fp8_dir)
+    assert got.lm_head.weight.dtype == torch.bfloat16
+    w_ref, w_got = ref.get_parameter(wk), got.get_parameter(wk).float()
+    assert 0 < (w_got - w_ref).abs().max() < 0.1 * w_ref.abs().max()
+
+
+def test_bundled_dsa_miniature_drafts_exactly_with_sparse_attention():
+    """The trained GLM-5-shaped miniature (top-32 attention, contexts past 100): greedy K = 2 equals no-spec token
+    for token, with the first draft accepted more often than not."""
+    from ascend_spec.models import BUNDLED_DSA_MODEL_DIR
+    from ascend_spec.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(BUNDLED_DSA_MODEL_DIR)
+    prompts = [tok.encode(t) for t in ("def fibonacci(n):\n", "class Stack:\n    def __init__(self",
+                                       "import os\nimport sys\n\n", "with open(path) as f:\n")]
+
+    def run(k):
+        spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+        eng = load_engine(BUNDLED_DSA_MODEL_DIR, EngineConfig(max_model_len=256, max_num_seqs=4, speculative=spec,
+                                                              graph=EAGER, adaptive_k=False))
+        outs, _, metrics = eng.generate(prompts, SamplingParams(), 96)
+        return [o.token_ids for o in outs], metrics
+
+    ref, _ = run(0)
+    got, metrics = run(2)
+    print(f"bundled DSA K=2: acceptance per position {metrics.acceptance_per_position}")
+    assert got == ref
+    assert metrics.acceptance_per_position[0] > 0.5
