@@ -12,7 +12,7 @@ from .config import (GRAPH_FAILURE_POLICIES, ConfigError, EngineConfig, Speculat
                      load_yaml_config)
 from .graph.config import DTYPES
 from .model_info import add_inspect_parser
-from .models import BUNDLED_MODEL_DIR
+from .models import BUNDLED_MODEL_DIR, NAMED_MODELS
 from .sampling import SamplingParams
 
 def _positive_int(text: str) -> int:
@@ -28,6 +28,11 @@ def _positive_int(text: str) -> int:
 DEFAULT_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self"]
 
 
+def _model_dir(value: str) -> Path:
+    """A bundled model's name (``NAMED_MODELS``), else a folder."""
+    return NAMED_MODELS.get(value, Path(value))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-spec", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -35,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("upgrade-check", add_help=False,
                    help="before a vLLM bump: API drift, and with --run-tests the parity suite and acceptance gate")
     g = sub.add_parser("generate", help="generate text (speculative decoding on by default)")
-    g.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint folder (default: bundled)")
+    g.add_argument("--model", type=_model_dir, default=BUNDLED_MODEL_DIR,
+                   help=f"checkpoint folder, or one of {sorted(NAMED_MODELS)} (default: bundled, DeepSeek-V3's "
+                        "shape; bundled-dsa: GLM-5's, DeepSeek Sparse Attention)")
     g.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     g.add_argument("--prompts-file", type=Path, help="a file with one prompt per line")
     g.add_argument("--max-tokens", type=_positive_int, default=64)

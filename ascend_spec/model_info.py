@@ -13,7 +13,7 @@ import torch
 from .graph.config import DTYPES
 from .graph.families import build_model, config_from_dir
 from .graph.weights import FP8_LINEARS, parameter_part
-from .models import BUNDLED_MODEL_DIR
+from .models import BUNDLED_MODEL_DIR, NAMED_MODELS
 
 KV_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 FP32_PARAMS = ("e_score_correction_bias",)  # held in fp32 whatever the model dtype (MoEGate, hf_state_dict)
@@ -100,6 +100,11 @@ def inspect_model(model_dir: str | Path) -> dict:
                    "moe": [i for i in layers if cfg.is_moe_layer(i)]},
         "moe": moe_info,
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
+        # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5.x): the lightning indexer and each layer's top-k source
+        "sparse_attention": ({"index_topk": ix.topk, "index_n_heads": ix.n_heads, "index_head_dim": ix.head_dim,
+                              "indexer_rope": ix.rope, "indexer_types": list(ix.layer_types),
+                              "share_for_mtp": ix.share_for_mtp}
+                             if (ix := getattr(cfg, "indexer", None)) is not None else None),
         "softmax_scale": cfg.softmax_scale,
         "bytes": nbytes,
         # MLA caches one latent (c_kv ‖ k_pe) per token per layer, shared by all heads (DSA: and an index key).
@@ -151,6 +156,11 @@ def format_report(info: dict) -> str:
     rs = info["rope_scaling"]
     rope = f"YaRN ×{rs['factor']:g} over {rs['original_max_position_embeddings']} positions" if rs else "plain"
     lines.append(f"rope: {rope}; softmax scale {info['softmax_scale']:.4f}")
+    if (sa := info["sparse_attention"]) is not None:
+        shared = [i for i, t in enumerate(sa["indexer_types"]) if t == "shared"]
+        lines.append(f"sparse attention: top-{sa['index_topk']} by a lightning indexer of {sa['index_n_heads']} × "
+                     f"{sa['index_head_dim']} ({sa['indexer_rope']} RoPE); layers reusing an earlier top-k: "
+                     f"{shared or 'none'}; draft steps share the first's: {sa['share_for_mtp']}")
     lines.append("weights:")
     for dt, b in info["bytes"].items():
         lines.append(f"  {dt:<9} target {_gib(b['target']):>12}   MTP {_gib(b['mtp']):>10}   "
@@ -164,8 +174,9 @@ def format_report(info: dict) -> str:
 
 def add_inspect_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("inspect", help="size a model from its config.json (reads no weights)")
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR,
-                   help="checkpoint folder; only config.json is read (default: bundled)")
+    p.add_argument("--model", type=lambda v: NAMED_MODELS.get(v, Path(v)), default=BUNDLED_MODEL_DIR,
+                   help=f"checkpoint folder or one of {sorted(NAMED_MODELS)}; only config.json is read "
+                        "(default: bundled)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_inspect)
 

@@ -296,3 +296,24 @@ def test_bundled_dsa_miniature_drafts_exactly_with_sparse_attention():
     print(f"bundled DSA K=2: acceptance per position {metrics.acceptance_per_position}")
     assert got == ref
     assert metrics.acceptance_per_position[0] > 0.5
+
+
+@pytest.mark.parametrize("kind,target,active", [("glm_moe_dsa", "743.91B", "41.78B"),
+                                                ("deepseek_v32", "671.88B", "38.40B")])
+def test_full_size_configs_as_transformers_writes_them(tmp_path, capsys, kind, target, active):
+    """GLM-5's and DeepSeek-V3.2's own shapes (transformers 5.19's config defaults: ``rope_parameters``,
+    ``mlp_layer_types``, top-2048 indexers) read and sized on the meta device: GLM-5's 744B total and ~40B active
+    as published; V3.2 is V3's 671B plus its indexers."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+
+    from ascend_spec.cli import build_parser
+
+    hf = (GlmMoeDsaConfig if kind == "glm_moe_dsa" else DeepseekV32Config)().to_dict()
+    hf.update(num_nextn_predict_layers=1,
+              architectures=["GlmMoeDsaForCausalLM" if kind == "glm_moe_dsa" else "DeepseekV32ForCausalLM"])
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    args = build_parser().parse_args(["inspect", "--model", str(tmp_path)])
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    for fact in (f"target {target}", f"target {active}", "top-2048 by a lightning indexer"):
+        assert fact in text, (fact, text)
