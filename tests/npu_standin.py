@@ -14,8 +14,9 @@ import torch
 
 from ascend_spec.graph import moe_npu
 
-#: the ops our NPU path calls, beyond the MoE ones
-EXTRA_OPS = ("npu_fused_infer_attention_score", "npu_scatter_nd_update")
+#: the ops our NPU path calls, beyond the MoE ones (the DSA family's two last)
+EXTRA_OPS = ("npu_fused_infer_attention_score", "npu_scatter_nd_update", "npu_lightning_indexer",
+             "npu_sparse_flash_attention")
 #: where torchair defines ``torch.ops.air.npu_fused_infer_attention_score`` (``lib.define``) and its GE converter
 AIR_ATTENTION_SOURCE = "torch_npu/dynamo/torchair/ops/_npu_fused_infer_attention_score.py"
 _LIB: torch.library.Library | None = None
@@ -65,7 +66,14 @@ def _fake_kernels() -> dict[str, Callable[..., Any]]:
     def scatter_nd(self, indices, updates):
         return torch.empty_like(self)
 
-    return {"npu_fused_infer_attention_score": fia, "npu_moe_gating_top_k": gating,
+    def lightning_indexer(query, key, weights, *args, sparse_count=2048, **kwargs):
+        return query.new_empty(query.shape[0], 1, sparse_count, dtype=torch.int32), query.new_empty(0)
+
+    def sparse_flash_attention(query, key, value, sparse_indices, scale_value, *args, **kwargs):
+        return query.new_empty(query.shape[0], query.shape[1], key.shape[-1]), query.new_empty(0), query.new_empty(0)
+
+    return {"npu_lightning_indexer": lightning_indexer, "npu_sparse_flash_attention": sparse_flash_attention,
+            "npu_fused_infer_attention_score": fia, "npu_moe_gating_top_k": gating,
             "npu_moe_init_routing": init_routing, "npu_moe_compute_expert_tokens": expert_tokens,
             "npu_grouped_matmul": grouped_matmul, "npu_swiglu": swiglu, "npu_moe_finalize_routing": finalize,
             "npu_scatter_nd_update": scatter_nd}
@@ -99,8 +107,72 @@ def _cpu_kernels() -> dict[str, Callable[..., Any]]:
         return out
 
     kernels: dict[str, Callable[..., Any]] = {"npu_fused_infer_attention_score": fia,
-                                              "npu_scatter_nd_update": scatter_nd}
+                                              "npu_scatter_nd_update": scatter_nd,
+                                              "npu_lightning_indexer": _lightning_indexer_tnd,
+                                              "npu_sparse_flash_attention": _sparse_flash_attention_tnd}
     return kernels | _moe_kernels(documented)
+
+
+def _request_rows(cum_q: torch.Tensor, kv_lens: torch.Tensor):
+    """``(request, its query rows, row index within the block, the block's length, its KV length)`` of a TND batch."""
+    start = 0
+    for b, (end, kv_len) in enumerate(zip(cum_q.tolist(), kv_lens.tolist())):
+        for i, t in enumerate(range(start, end)):
+            yield b, t, i, end - start, kv_len
+        start = end
+
+
+def _paged_rows(cache: torch.Tensor, table: torch.Tensor, b: int, positions: torch.Tensor) -> torch.Tensor:
+    """Rows ``positions`` of request ``b`` in a ``PA_BSND`` cache ``[blocks, block, 1, width]``."""
+    block = cache.shape[1]
+    return cache[table[b, positions // block].long(), positions % block, 0]
+
+
+def _lightning_indexer_tnd(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                           block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
+                           sparse_mode=3, pre_tokens=0, next_tokens=0, return_value=False):
+    """torch_npu's documented lightning indexer (TND query, PA_BSND keys, sparse_mode 3): row i of a block of Q
+    ending at KV length L scores positions ``0 .. L - Q + i`` as ``Σ_h w_h · relu(q_h · k)``, keeps the
+    ``sparse_count`` best (highest first), ``-1`` after. Ties (undocumented for the op) go to the earlier position."""
+    assert (layout_query, layout_key, sparse_mode) == ("TND", "PA_BSND", 3), (layout_query, layout_key, sparse_mode)
+    for lens in (actual_seq_lengths_query, actual_seq_lengths_key, block_table):
+        assert lens.dtype == torch.int32, lens.dtype
+    out = torch.full((query.shape[0], 1, sparse_count), -1, dtype=torch.int32)
+    for b, t, i, q_len, kv_len in _request_rows(actual_seq_lengths_query, actual_seq_lengths_key):
+        visible = kv_len - q_len + i + 1
+        if visible <= 0:
+            continue
+        keys = _paged_rows(key, block_table, b, torch.arange(visible)).float()  # [S, d]
+        scores = (weights[t].float().unsqueeze(-1) * torch.relu(query[t].float() @ keys.T)).sum(0)
+        order = scores.sort(descending=True, stable=True).indices[:sparse_count]
+        out[t, 0, : order.numel()] = order.to(torch.int32)
+    return out, query.new_empty(0)
+
+
+def _sparse_flash_attention_tnd(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                                actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                                key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                                sparse_mode=3, pre_tokens=0, next_tokens=0, attention_mode=0,
+                                return_softmax_lse=False, sinks=None):
+    """torch_npu's documented sparse flash attention in MLA's absorbed mode (``attention_mode`` 2): each TND row
+    attends the positions its indices list up to the first ``-1``, those past its causal limit skipped, over the
+    nope cache (keys and values) with the rope parts added to the scores; a row with none gives zeros."""
+    assert (layout_query, layout_kv, sparse_mode, attention_mode, sparse_block_size) == (
+        "TND", "PA_BSND", 3, 2, 1), (layout_query, layout_kv, sparse_mode, attention_mode, sparse_block_size)
+    assert sparse_indices.dtype == torch.int32 and actual_seq_lengths_kv.dtype == torch.int32
+    out = torch.zeros(query.shape[0], query.shape[1], key.shape[-1], dtype=query.dtype)
+    for b, t, i, q_len, kv_len in _request_rows(actual_seq_lengths_query, actual_seq_lengths_kv):
+        idx = sparse_indices[t, 0].long()
+        stop = int((idx < 0).nonzero()[0]) if (idx < 0).any() else idx.numel()
+        idx = idx[:stop]
+        idx = idx[idx < kv_len - q_len + i + 1]
+        if idx.numel() == 0:
+            continue
+        nope = _paged_rows(key, block_table, b, idx).float()  # [k, C]
+        rope = _paged_rows(key_rope, block_table, b, idx).float()
+        scores = (query[t].float() @ nope.T + query_rope[t].float() @ rope.T) * scale_value  # [N, k]
+        out[t] = (scores.softmax(-1) @ nope).to(query.dtype)
+    return out, query.new_empty(0), query.new_empty(0)
 
 
 def _air_fia(query, key, value, **kwargs):

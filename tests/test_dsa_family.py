@@ -317,3 +317,61 @@ def test_full_size_configs_as_transformers_writes_them(tmp_path, capsys, kind, t
     text = capsys.readouterr().out
     for fact in (f"target {target}", f"target {active}", "top-2048 by a lightning indexer"):
         assert fact in text, (fact, text)
+
+
+@pytest.fixture(scope="module")
+def npu_standin_module():
+    """A ``torch_npu`` whose ops are ``torch.ops.npu.*`` declared with the torch_npu 2.14.0 wheel's own schemas and
+    computing what the ops' documentation says (``tests/npu_standin.py``)."""
+    import yaml
+
+    from . import npu_standin
+    from .test_torchair_contract import NPU_OP_DECLARATIONS, _download_wheel
+
+    import zipfile
+
+    with zipfile.ZipFile(_download_wheel()) as zf:
+        decl = yaml.safe_load(zf.read(NPU_OP_DECLARATIONS))
+    schemas = {}
+    for section in decl.values():
+        for entry in section if isinstance(section, list) else ():
+            if isinstance(entry, dict) and "func" in entry:
+                schemas.setdefault(entry["func"].split("(", 1)[0], entry["func"])
+    return npu_standin.register(schemas)
+
+
+def test_npu_kernels_compute_the_reference(dsa_ckpts, npu_standin_module, monkeypatch):
+    """The NPU path (``npu_lightning_indexer`` + ``npu_sparse_flash_attention`` with int32 device lengths, TND
+    queries, ``PA_BSND`` caches of block 128, ``sparse_mode`` 3; torch_npu's MoE ops and cache scatter) through the
+    wheel's op schemas and CPU kernels that compute what the ops' documentation says: the reference kernel's
+    logits over a prefill and decode steps, and the same drafts from the draft chain."""
+    from ascend_spec.graph.steps import make_draft_step
+
+    monkeypatch.setitem(__import__("sys").modules, "torch_npu", npu_standin_module)
+    path = dsa_ckpts[("glm5-shared-topk", "agreeing")]
+    ref, npu = load_model(path), load_model(path)
+    npu.set_attention_kernel("npu")
+    assert not npu.takes_host_lengths
+    ids = torch.randint(1, 2048, (1, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got, want = _paged_logits(npu, ids), _paged_logits(ref, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # the draft chain, two rows, a pad row, block 128
+    block = 128
+    table = torch.tensor([[1, 0], [2, 0], [0, 0]])
+    seq_lens = torch.tensor([50, 35, 0])
+    positions = (seq_lens.view(-1, 1) - 3 + torch.arange(3)).clamp(min=0)
+    slots = torch.where(seq_lens.view(-1, 1) > 0, slots_for(positions, table, block), -1)
+    gen = torch.Generator().manual_seed(4)
+    inputs = (torch.randint(1, 2048, (3, 3), generator=gen), positions,
+              torch.randn(3, 3, ref.cfg.hidden_size, generator=gen), torch.tensor([2, 1, 0]), slots, table, seq_lens,
+              torch.full((3,), 128))
+    drafts = []
+    for model in (ref, npu):
+        cache = model.cfg.layer_cache("pair", 3, block, torch.float32, "cpu")
+        for t in cache:
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)))
+        with torch.no_grad():
+            drafts.append(make_draft_step(model, 3, 128)(*inputs, cache))
+    assert torch.equal(drafts[0][0][:2], drafts[1][0][:2])
+    torch.testing.assert_close(drafts[0][1][:2], drafts[1][1][:2], atol=1e-4, rtol=1e-4)

@@ -8,6 +8,7 @@ from torch import nn
 from ..layers import Linear, RotaryEmbedding
 from ..paging import PagedInputs
 from .config import INDEXER_NORM_EPS, DsaConfig
+from .sparse_kernels import npu_select
 
 #: a selection with nothing there: fewer visible tokens than ``topk``, or a pad row
 NO_TOKEN = -1
@@ -53,11 +54,16 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, Q, H]
         return torch.einsum("bqh,bqhw->bqw", weights, scores)
 
+    #: select with torch_npu's lightning indexer (``sparse_kernels.npu_select``); set with the NPU attention kernel
+    on_npu = False
+
     def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, inp: PagedInputs,
                      key_cache: torch.Tensor) -> torch.Tensor:
         """Top-k context positions ``[B, Q, topk]`` (``NO_TOKEN`` past the visible ones) of each query, scored
         against the request's cached keys (this forward's already written): its live blocks of ``key_cache
         [blocks, block, head_dim]`` through ``inp.block_table``."""
+        if self.on_npu:
+            return npu_select(self._queries(q_resid, inp.positions), self.weights_proj(x), key_cache, inp, self.topk)
         keys = key_cache[inp.block_table.long()].flatten(1, 2)  # [B, W, d], W = table width × block
         scores = self._scores(x, q_resid, inp.positions, keys)
         key_pos = torch.arange(keys.shape[1], device=keys.device)

@@ -191,13 +191,27 @@ class DsaForCausalLM(DeepseekV3ForCausalLM):
         self.greedy_head = None
 
     def set_attention_kernel(self, name: str) -> None:
-        """Sparse attention kernels: ``gather`` only for now (a backend asking another is refused by name)."""
+        """Sparse attention kernels: ``gather`` (the reference) or ``npu`` (torch_npu's lightning indexer and
+        sparse flash attention); a backend asking another is refused by name."""
         if name not in SPARSE_KERNELS:
             raise ValueError(f"attention kernel {name!r} for the DSA family ({self.cfg.model_type}); allowed: "
                              f"{sorted(SPARSE_KERNELS)}")
+        npu = name == "npu"
         for layer in self.model.layers:
-            layer.self_attn.sparse_kernel = SPARSE_KERNELS[name]
+            attn = layer.self_attn
+            attn.sparse_kernel = SPARSE_KERNELS[name]
+            attn.npu_cache_write = npu
+            if attn.indexer is not None:
+                attn.indexer.on_npu = npu
+        for module in self.modules():  # the NPU graphs run torch_npu's MoE ops too (graph.moe_npu)
+            if isinstance(module, MoE):
+                module.npu_ops = npu
         self.attention_kernel = name
+
+    @property
+    def takes_host_lengths(self) -> bool:
+        """Never: torch_npu's DSA ops take their lengths as device tensors."""
+        return False
 
     # -- target ---------------------------------------------------------------------------------
     def target_paged(self, input_ids: torch.Tensor, inp: PagedInputs, caches: list[DsaCache]) -> torch.Tensor:
