@@ -26,6 +26,7 @@ from ascend_spec.graph.backends import torchair as torchair_backend
 from ascend_spec.graph.backends.ge_audit import (FAILING, ConverterIndex, OpUse, audit, graph_ops,
                                                  torchair_inference_graph)
 from ascend_spec.graph.backends.lint import GraphLint
+from ascend_spec.models import BUNDLED_DSA_MODEL_DIR
 from ascend_spec.sampling import SamplingParams
 from ascend_spec.tokenizer import TextTokenizer
 
@@ -138,6 +139,9 @@ def audited(wheel_sources, trained_dir, moe_dir):
         _run(trained_dir, 1, [greedy])
         _run(trained_dir, 2, [greedy, random], fused=False)
         _run(moe_dir, 2, [greedy], prefill=(16,))
+        # the DSA family (GLM-5 shape: a shared-top-k layer, MoE): torch_npu's lightning indexer and sparse
+        # flash attention in every graph of its engine
+        _run(BUNDLED_DSA_MODEL_DIR, 2, [greedy, random], prefill=(16,))
     finally:
         mp.undo()
         torch._dynamo.reset()
@@ -160,6 +164,7 @@ def _summary(graphs: dict[str, set[OpUse]], rows) -> str:
 def test_every_op_converts(audited):
     graphs, rows = audited
     assert any(g.startswith("spec_k") for g in graphs) and any(g.startswith("cached:") for g in graphs), sorted(graphs)
+    assert {"npu.npu_lightning_indexer.default", "npu.npu_sparse_flash_attention.default"} <= {r.op for r in rows}
     failing = [r for r in rows if r.verdict in FAILING]
     assert not failing, "ops torchair's GE translation stops at:\n" + "\n".join(
         f"  {r.op} ({r.dtypes}): {r.verdict}, in {', '.join(r.graphs[:4])}" for r in failing)
