@@ -8,12 +8,14 @@ Each request holds ``context`` tokens (random latents and index keys in the cach
 values); the draft chain (``graph.steps.make_draft_step``, eager) drafts ``K`` tokens from a verified block of
 ``1 + K``. Medians of interleaved repeats; each ratio is to the first context of the same model and batch. With
 DeepSeek Sparse Attention the attention reads ``index_topk`` tokens whatever the context; the indexer still scores
-every live key (its cost is the part that grows). Dense MLA (DeepSeek-V3) reads every live token.
+every live key (its cost is the part that grows). Dense MLA (DeepSeek-V3) reads every live token. The
+checkpoints' ``max_position_embeddings`` are raised to the longest context (weights linked, not copied).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from ascend_spec.graph.latent_cache import cache_tensors
 from ascend_spec.graph.steps import make_draft_step, slots_for
 from ascend_spec.graph.weights import load_model
 from ascend_spec.models import BUNDLED_DSA_MODEL_DIR, BUNDLED_MODEL_DIR
+from bench_context import checkpoint_with_positions  # tools/: the same checkpoint, its positions raised
 
 BLOCK = 16
 
@@ -52,8 +55,9 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
+    scratch = Path(tempfile.mkdtemp(prefix="bench_dsa_context_"))
     for path in args.models:
-        model = load_model(path)
+        model = load_model(checkpoint_with_positions(path, max(args.contexts) + 4 * args.k, scratch / path.name))
         cfg = model.cfg
         kind = f"DSA top-{cfg.indexer.topk}" if hasattr(cfg, "indexer") else "dense MLA"
         step = make_draft_step(model, args.k, max(args.contexts) + 4 * args.k)

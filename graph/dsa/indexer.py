@@ -81,17 +81,29 @@ class Indexer(nn.Module):
 
 
 def top_positions(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """``[B, Q, topk]`` positions of the best visible ``scores [B, Q, W]``, ``NO_TOKEN`` where fewer are visible.
+    """``[B, Q, topk]`` positions of the best visible ``scores [B, Q, W]``, best first, ``NO_TOKEN`` where fewer
+    are visible.
 
     The scores are padded with ``topk`` invisible columns, so one ``topk``-wide selection serves every context
     width (no ``min(topk, W)``: that would make the context a graph dimension). Equal scores go to the earlier
     position, whatever the width and the query count: ReLU scores tie at exactly 0 often enough, and ``topk``'s
-    order among ties follows its shapes, so a verify and a decode step would attend different tokens."""
+    order among ties follows its shapes, so a verify and a decode step would attend different tokens. The order is
+    made total in one int64 key (the score's order-preserving bits, then the position reversed), so the selection
+    is one ``topk``, linear in the context, not a sort."""
     scores = scores.masked_fill(~visible, float("-inf"))
     padded = torch.cat([scores, scores.new_full((*scores.shape[:-1], topk), float("-inf"))], dim=-1)
-    values, positions = padded.sort(dim=-1, descending=True, stable=True)
-    values, positions = values[..., :topk], positions[..., :topk]
+    _, positions = ordered_keys(padded).topk(topk, dim=-1)
+    values = torch.gather(padded, -1, positions)
     return torch.where(values > float("-inf"), positions, torch.full_like(positions, NO_TOKEN))
+
+
+def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as ``(score, -position)``: float32 bits made monotone (negative floats' magnitude bits
+    flipped; ``-0.0`` first made ``+0.0``, which it equals) in the high half, ``2**32 - 1 - position`` below."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    position = torch.arange(scores.shape[-1], device=scores.device)
+    return monotone * (1 << 32) + ((1 << 32) - 1 - position)
 
 
 def selection_mask(selected: torch.Tensor, width: int) -> torch.Tensor:
