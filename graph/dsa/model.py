@@ -154,9 +154,9 @@ class DsaMTPLayer(DsaDecoderLayer):
     def forward_paged_mtp(self, emb: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: DsaCache,
                           selected: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fuse_inputs(emb, hidden, inp.positions)
-        attn, selected = self.self_attn.forward_paged_sparse(self.input_layernorm(x), inp, cache, selected)
-        h = x + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), selected
+        if selected is None:
+            return _full_layer_paged(self, x, inp, cache)
+        return _shared_layer_paged(self, x, inp, cache, selected), selected
 
     def write_paged_mtp(self, emb: torch.Tensor, hidden: torch.Tensor, inp: PagedInputs, cache: DsaCache) -> None:
         self.self_attn.write_paged(self.input_layernorm(self.fuse_inputs(emb, hidden, inp.positions)), inp, cache)
