@@ -127,13 +127,30 @@ def _wheel_size(url: str) -> int:
         return int(r.headers.get("Content-Length") or 0)
 
 
+#: pip's words for a download cut short; such a resolve is tried again (a flaky link is not a verdict on the release)
+NETWORK_ERRORS = ("network connectivity", "Connection reset", "Read timed out", "IncompleteRead")
+DRY_RUN_TRIES = 3
+
+
+def _pip_dry_run(*args: str) -> subprocess.CompletedProcess:
+    """``pip install --dry-run --ignore-installed *args``, tried again after a network error."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for attempt in range(2, DRY_RUN_TRIES + 1):
+        if r.returncode == 0 or not any(e in r.stderr for e in NETWORK_ERRORS):
+            break
+        log(f"[run-tests] pip's resolve hit a network error; trying again ({attempt}/{DRY_RUN_TRIES})")
+        time.sleep(5 * attempt)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return r
+
+
 def install_bytes(spec: str) -> tuple[int, int]:
     """Bytes of the wheels installing ``spec`` takes (torch and what it pulls in), and how many of them come
     over the network (the rest lie on a local index), from pip's dry-run report."""
     with tempfile.TemporaryDirectory(prefix="upgrade-check-") as tmp:
         report = Path(tmp) / "report.json"
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-                            "--report", str(report), spec], capture_output=True, text=True, timeout=600)
+        r = _pip_dry_run("--report", str(report), spec)
         if r.returncode != 0:
             raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
         urls = [i["download_info"]["url"] for i in json.loads(report.read_text()).get("install", [])]
@@ -145,8 +162,7 @@ def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
     """The torch to install for a release's pin: the pin itself when the index has it (the ``+cpu`` build),
     else the same version from PyPI (a CUDA build), which above :data:`LARGE_BYTES` needs ``allow_large``."""
     spec = f"torch{torch_req.specifier}"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--no-deps",
-                        spec], capture_output=True, text=True, timeout=600)
+    r = _pip_dry_run("--no-deps", spec)
     if r.returncode == 0:
         return spec
     pins = [s.version for s in torch_req.specifier if s.operator in ("==", "===")]
