@@ -100,11 +100,7 @@ def inspect_model(model_dir: str | Path) -> dict:
                    "moe": [i for i in layers if cfg.is_moe_layer(i)]},
         "moe": moe_info,
         "rope_scaling": cfg.rope_scaling.to_hf() if cfg.rope_scaling else None,
-        # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5.x): the lightning indexer and each layer's top-k source
-        "sparse_attention": ({"index_topk": ix.topk, "index_n_heads": ix.n_heads, "index_head_dim": ix.head_dim,
-                              "indexer_rope": ix.rope, "indexer_types": list(ix.layer_types),
-                              "share_for_mtp": ix.share_for_mtp}
-                             if (ix := getattr(cfg, "indexer", None)) is not None else None),
+        "sparse_attention": cfg.sparse_attention(),
         "softmax_scale": cfg.softmax_scale,
         "bytes": nbytes,
         # MLA caches one latent (c_kv ‖ k_pe) per token per layer, shared by all heads (DSA: and an index key).

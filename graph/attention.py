@@ -127,14 +127,21 @@ class MLAttention(nn.Module):
     # -- dense (training and reference) ---------------------------------------------------------
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         """Causal attention over full sequences x: [B, S, D], positions 0..S-1, no cache."""
-        cfg = self.cfg
         b, s, _ = x.shape
         positions = torch.arange(s, device=x.device).expand(b, s)
-        q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
+        return self.attend_dense(*self._project(x, positions))
+
+    def attend_dense(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over whole sequences from their projections (keys expanded through ``kv_b_proj``): causal,
+        or where ``mask [B, S, S]`` allows."""
+        cfg = self.cfg
+        b, s = c_kv.shape[:2]
         kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=cfg.softmax_scale)
+                                             attn_mask=None if mask is None else mask.unsqueeze(1),
+                                             is_causal=mask is None, scale=cfg.softmax_scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -290,6 +290,10 @@ class ModelConfig:
         return allocate_latent_cache(layout, num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim, dtype,
                                      device)
 
+    def sparse_attention(self) -> dict | None:
+        """What selects the tokens each query attends to, for ``inspect``; None: every cached token (dense MLA)."""
+        return None
+
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         """The HF ``config.json`` that both this project and vLLM's ``DeepseekV3ForCausalLM`` load."""
         return {

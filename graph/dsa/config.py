@@ -103,6 +103,12 @@ class DsaConfig(ModelConfig):
         """The latent and the index key."""
         return self.latent_dim + self.indexer.head_dim
 
+    def sparse_attention(self) -> dict:
+        """The lightning indexer and each layer's top-k source."""
+        ix = self.indexer
+        return {"index_topk": ix.topk, "index_n_heads": ix.n_heads, "index_head_dim": ix.head_dim,
+                "indexer_rope": ix.rope, "indexer_types": list(ix.layer_types), "share_for_mtp": ix.share_for_mtp}
+
     def to_hf_dict(self, dtype: str | None = None) -> dict:
         hf = ModelConfig.to_hf_dict(self, dtype)
         arch = self.ARCHITECTURES[self.MODEL_TYPES.index(self.model_type)]

@@ -3,7 +3,6 @@ indexer), behind DeepSeek-V3's model contract (docs/model-families.md). HF param
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention import MLAttention
@@ -70,7 +69,6 @@ class DsaAttention(MLAttention):
     def forward_dense_sparse(self, x: torch.Tensor, selected: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention over whole sequences, each query restricted to its top-k (training and reference)."""
-        cfg = self.cfg
         b, s, _ = x.shape
         positions = torch.arange(s, device=x.device).expand(b, s)
         q_resid, kv_a = self._a_proj(x)
@@ -78,14 +76,8 @@ class DsaAttention(MLAttention):
         if selected is None:
             assert self.indexer is not None, "a shared DSA layer needs the top-k of a full layer"
             selected = self.indexer.select_dense(x, q_resid)
-        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
         mask = selection_mask(selected, s) & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask.unsqueeze(1), scale=cfg.softmax_scale)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), selected
+        return self.attend_dense(q_nope, q_pe, c_kv, k_pe, mask), selected
 
 
 def _full_layer_paged(layer: "DsaDecoderLayer", x: torch.Tensor, inp: PagedInputs, cache: DsaCache
