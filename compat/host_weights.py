@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ascend_spec.graph.config import ModelConfig
+from ascend_spec.graph.families import family_for_model_type
 from ascend_spec.graph.external import External
 from ascend_spec.graph.layers import RMSNorm
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
@@ -45,6 +46,12 @@ def _share_norm(ours: RMSNorm, vnorm: nn.Module) -> None:
 def config_from_vllm(vllm_config: Any) -> ModelConfig:
     """Our ModelConfig from the draft model's HF config vLLM holds (no file is read)."""
     hf = vllm_config.speculative_config.draft_model_config.hf_config.to_dict()
+    # vLLM renames every DeepSeek-style draft's model_type to deepseek_mtp; to_dict() gives the config class's own
+    family = family_for_model_type(hf.get("model_type"))  # one we do not draft: one error naming those we do
+    if family.config is not ModelConfig:
+        raise CompatError(f"model_type={hf.get('model_type')!r} ({family.name}) is drafted by ascend-spec's own "
+                          f"engine, not yet inside vLLM or vllm-ascend, where ours drafts model_type in "
+                          f"{list(ModelConfig.MODEL_TYPES)}; disable the ascend_spec drafter to use vLLM's")
     hf["architectures"] = ["DeepseekV3ForCausalLM"]  # vLLM renames the draft's to DeepSeekMTPModel
     # The weights stay vLLM's, quantised or not, and run through vLLM's layers: our model needs only the shapes.
     hf.pop("quantization_config", None)

@@ -144,6 +144,28 @@ def test_bad_dsa_configs_give_one_clear_error(changes, message):
         config_from_hf(_hf(**changes))
 
 
+@pytest.mark.parametrize("model_type,message", [
+    ("glm_moe_dsa", r"model_type='glm_moe_dsa' \(DeepSeek Sparse Attention .*\) is drafted by ascend-spec's own engine, "
+                    r"not yet inside vLLM"),
+    ("deepseek_v32", r"model_type='deepseek_v32' .* not yet inside vLLM"),
+    ("deepseek_v4", r"model_type='deepseek_v4' is not a family we draft; allowed: \['deepseek_v3', "),
+])
+def test_inside_vllm_a_draft_ours_does_not_run_there_is_one_error(model_type, message):
+    """vLLM hands every DeepSeek-style draft over renamed to ``deepseek_mtp`` (its config class keeps the model's
+    own type): a DSA model is refused by name until ours drafts it there, never read as DeepSeek-V3 without its
+    indexer; a family we do not draft at all is refused naming the ones we do."""
+    from types import SimpleNamespace
+
+    from ascend_spec.compat.host_weights import config_from_vllm
+    from ascend_spec.compat.shims import CompatError
+
+    hf = {**_hf(), "model_type": model_type}
+    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
+        hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))))
+    with pytest.raises((CompatError, ConfigError), match=message):
+        config_from_vllm(vllm_config)
+
+
 def test_indexer_layer_types_follow_transformers_and_vllm():
     """``index_topk_pattern`` letters, and ``index_topk_freq`` / ``index_skip_topk_offset`` (the rule vLLM's
     ``attention.py`` and transformers share); every layer full without either."""
