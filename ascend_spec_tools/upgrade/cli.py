@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also install the target in a cached virtualenv and run the vLLM parity suite and the "
                         "acceptance gate there")
     p.add_argument("--allow-large", action="store_true",
-                   help="--run-tests: allow a torch download above 2 GB (PyPI's CUDA build, for releases whose "
-                        "+cpu torch the index lacks)")
+                   help="--run-tests: allow PyPI's CUDA build of torch, several GB, for releases whose +cpu torch "
+                        "the index lacks")
     p.add_argument("--venv-cache", default=None,
                    help="--run-tests: where the virtualenvs live (default $ASCEND_SPEC_VENV_CACHE or "
                         ".cache/upgrade-venvs in the checkout)")

@@ -5,7 +5,7 @@ One virtualenv per ``package==version`` under ``.cache/upgrade-venvs/`` (or ``--
 1. the release's requirements are read from its wheel's METADATA on the index (range requests, a few kB;
    markers evaluated for this interpreter), so a release that cannot run here costs no download;
 2. torch as the release pins it: the ``+cpu`` build when the index has it, else the same version from PyPI
-   (a CUDA build that runs on CPU; its download size is reported and above 2 GB needs ``allow_large``);
+   (a CUDA build that runs on CPU, several GB: it needs ``allow_large``, decided from its metadata);
 3. ``pip install --no-deps package==version``, its other requirements, this checkout (``--no-deps -e``), pytest;
 4. torchvision / torchaudio / torchcodec left out (PyPI's builds do not import beside a CPU torch, and
    transformers imports them when present).
@@ -45,8 +45,6 @@ from .remote_zip import RangeNotSupported, RemoteZip
 
 #: the vLLM parity suite run on every candidate release (marker ``vllm``)
 PARITY_TESTS = ("tests/test_vllm_plugin.py",)
-#: a download above this needs ``allow_large``
-LARGE_BYTES = 2 << 30
 #: torch's companions that the release's requirements name but that must not be installed (see module doc)
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 #: releases whose CPU build has no speculative decoding (``cpu_model_runner`` asserts)
@@ -158,9 +156,24 @@ def install_bytes(spec: str) -> tuple[int, int]:
     return sum(sizes.values()), sum(n for u, n in sizes.items() if not u.startswith("file://"))
 
 
-def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
+def cuda_build_summary(index: Index, version: str) -> str:
+    """What PyPI's torch ``version`` (a CUDA build) pulls in, read without downloading it: its wheel's size and the
+    CUDA libraries its METADATA requires (pip's dry-run would download them all: several GB)."""
+    torch_index = Index("torch", index.index_url, index.cache)
+    try:
+        wheel = torch_index.wheel_for(version)
+        cuda = sorted({canonicalize_name(r.name) for r in wheel_requirements(torch_index, version)
+                       if canonicalize_name(r.name).startswith(("nvidia-", "cuda-"))})
+    except (CheckError, OSError) as e:
+        return f"its size unread ({e})"
+    return (f"a {(wheel.size or 0) / 2**30:.1f} GB wheel requiring {len(cuda)} CUDA libraries "
+            f"({', '.join(cuda[:3])}{', …' if len(cuda) > 3 else ''}): several GB in all")
+
+
+def plan_torch(index: Index, torch_req: Requirement, allow_large: bool) -> str:
     """The torch to install for a release's pin: the pin itself when the index has it (the ``+cpu`` build),
-    else the same version from PyPI (a CUDA build), which above :data:`LARGE_BYTES` needs ``allow_large``."""
+    else the same version from PyPI, a CUDA build, which needs ``allow_large`` (decided from its metadata; only
+    then does pip's dry-run, which downloads every wheel, size it)."""
     spec = f"torch{torch_req.specifier}"
     r = _pip_dry_run("--no-deps", spec)
     if r.returncode == 0:
@@ -168,13 +181,14 @@ def plan_torch(torch_req: Requirement, allow_large: bool) -> str:
     pins = [s.version for s in torch_req.specifier if s.operator in ("==", "===")]
     if not pins or "+" not in pins[0]:
         raise NotRunnable(f"`pip install {spec}` cannot resolve here: {r.stderr.strip()[-300:]}")
-    plain = "torch==" + pins[0].split("+", 1)[0]
+    version = pins[0].split("+", 1)[0]
+    plain = f"torch=={version}"
+    if not allow_large:
+        raise NotRunnable(f"not run: needs --allow-large ({plain} from PyPI: a CUDA build, "
+                          f"{cuda_build_summary(index, version)}; the index lacks {spec})")
     size, remote = install_bytes(plain)
-    what = (f"{plain} from PyPI: CUDA build, {size / 2**30:.1f} GB of wheels ({remote / 2**30:.1f} GB to download); "
-            f"the index lacks {spec}")
-    if size > LARGE_BYTES and not allow_large:
-        raise NotRunnable(f"not run: needs --allow-large ({what})")
-    log(f"[run-tests] {what}")
+    log(f"[run-tests] {plain} from PyPI: CUDA build, {size / 2**30:.1f} GB of wheels ({remote / 2**30:.1f} GB to "
+        f"download); the index lacks {spec}")
     return plain
 
 
@@ -196,7 +210,7 @@ def build_venv(index: Index, version: str, opts: RuntimeOptions) -> tuple[Path, 
     torch_req = next((q for q in reqs if canonicalize_name(q.name) == "torch"), None)
     if torch_req is None:
         raise NotRunnable(f"{package} {version} does not name torch among its requirements")
-    torch_spec = plan_torch(torch_req, opts.allow_large)
+    torch_spec = plan_torch(index, torch_req, opts.allow_large)
     others = [_without_marker(q) for q in reqs if canonicalize_name(q.name) not in ("torch", *TORCH_COMPANIONS)]
     t0 = time.time()
     if root.exists():
