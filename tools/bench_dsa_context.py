@@ -67,6 +67,21 @@ def draft_inputs(model, batch: int, context: int, k: int, gen: torch.Generator) 
             slots_for(positions, table, BLOCK), table, seq_lens, torch.full((batch,), context + 4 * k), cache)
 
 
+def median_ms_by_context(step, inputs: dict[int, tuple], rounds: int, repeats: int) -> dict[int, float]:
+    """Median ms of ``step`` on each context's inputs, timed in interleaved rounds (each round times every context)."""
+    times: dict[int, list[float]] = {c: [] for c in inputs}
+    with torch.no_grad():
+        for args in inputs.values():
+            step(*args)  # warm
+        for _ in range(rounds):
+            for c, args in inputs.items():
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    step(*args)
+                    times[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(ts) * 1e3 for c, ts in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", type=Path, nargs="+", default=[BUNDLED_DSA_MODEL_DIR, BUNDLED_MODEL_DIR])
@@ -81,33 +96,24 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     rows = []
-    scratch = Path(tempfile.mkdtemp(prefix="bench_dsa_context_"))
     positions = max(args.contexts) + 4 * args.k
-    models = [(path.name, lambda p=path: load_model(checkpoint_with_positions(p, positions, scratch / p.name)))
-              for path in args.models]
-    if args.glm5_widths:
-        models.append((f"GLM-5 widths, {args.glm5_experts} experts",
-                       lambda: glm5_width_model(positions, args.glm5_topk, args.glm5_experts)))
-    for name, load in models:
-        model = load()
-        cfg = model.cfg
-        kind = f"DSA top-{sa['index_topk']}" if (sa := cfg.sparse_attention()) else "dense MLA"
-        step = make_draft_step(model, args.k, positions)
-        for batch in args.batches:
-            inputs = {c: draft_inputs(model, batch, c, args.k, gen) for c in args.contexts}
-            times: dict[int, list[float]] = {c: [] for c in args.contexts}
-            with torch.no_grad():
-                for c in args.contexts:
-                    step(*inputs[c])  # warm
-                for _ in range(args.rounds):  # interleaved: each round times every context
-                    for c in args.contexts:
-                        for _ in range(args.repeats):
-                            t0 = time.perf_counter()
-                            step(*inputs[c])
-                            times[c].append(time.perf_counter() - t0)
-            med = {c: statistics.median(ts) * 1e3 for c, ts in times.items()}
-            first = args.contexts[0]
-            rows.append((name, kind, batch, med, {c: med[c] / med[first] for c in args.contexts}))
+    with tempfile.TemporaryDirectory(prefix="bench_dsa_context_") as tmp:
+        scratch = Path(tmp)
+        models = [(path.name, lambda p=path: load_model(checkpoint_with_positions(p, positions, scratch / p.name)))
+                  for path in args.models]
+        if args.glm5_widths:
+            models.append((f"GLM-5 widths, {args.glm5_experts} experts",
+                           lambda: glm5_width_model(positions, args.glm5_topk, args.glm5_experts)))
+        for name, load in models:
+            model = load()
+            sa = model.cfg.sparse_attention()
+            kind = f"DSA top-{sa['index_topk']}" if sa else "dense MLA"
+            step = make_draft_step(model, args.k, positions)
+            for batch in args.batches:
+                inputs = {c: draft_inputs(model, batch, c, args.k, gen) for c in args.contexts}
+                med = median_ms_by_context(step, inputs, args.rounds, args.repeats)
+                first = args.contexts[0]
+                rows.append((name, kind, batch, med, {c: med[c] / med[first] for c in args.contexts}))
     print(f"draft chain K={args.k}, eager, medians of {args.rounds}×{args.repeats}; ms (ratio to context "
           f"{args.contexts[0]})")
     header = "| model | attention | batch | " + " | ".join(f"context {c:,}" for c in args.contexts) + " |"
