@@ -228,6 +228,8 @@ class AscendSpecNpuMixin(AscendNpuContextMixin, AscendSpecMtpMixin):
 
     #: vllm-ascend's MLA keeps the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` apart
     _ascend_kv_layout = "pair"
+    #: a DSA draft layer: its SFA cache ``(k_nope, k_pe, indexer_k)`` at block 128, keys in the model dtype
+    _sparse_cache_readable = True
 
     def _probe_api(self) -> list[Missing]:
         return probe_ascend_proposer_api(self.vllm_base)

@@ -42,6 +42,8 @@ class AscendSpecNpuV2Mixin(AscendNpuContextMixin, AscendSpecV2Mixin):
 
     #: vllm-ascend's MLA keeps the draft cache as nope ``[N, 128, 1, 512]`` and rope ``[N, 128, 1, 64]`` apart
     _ascend_kv_layout = "pair"
+    #: a DSA draft layer: its SFA cache ``(k_nope, k_pe, indexer_k)`` at block 128, keys in the model dtype
+    _sparse_cache_readable = True
     _step_tokens_across_dp: Any = None
 
     def _probe_v2_api(self) -> list[Missing]:

@@ -23,13 +23,15 @@ from ascend_spec.graph.backends import Backend, get_backend
 from ascend_spec.graph.backends.aot_graphs import GraphStore, aot_available, module_refs
 from ascend_spec.graph.backends.compile_cache import open_default_cache
 from ascend_spec.graph.external import opaque_indices
-from ascend_spec.graph.latent_cache import LatentCache, allocate_latent_cache, cache_tensors, describe, same_shape
+from ascend_spec.graph.family import LayerCache
+from ascend_spec.graph.latent_cache import cache_tensors, describe, same_shape
 from ascend_spec.graphs import graph_cache_key
 from ascend_spec.proposer import DraftInputs
 from ascend_spec.torchair_proposer import MtpTorchairProposer
 
 from .host_weights import config_from_vllm, mtp_model_on_vllm, owned_tensor_bytes
 from .kv_layout import draft_cache_view
+from .sfa_cache import latent_layers
 from .schedule_k import draft_ks
 from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
 from .shims import CompatError, installed_vllm_version
@@ -136,6 +138,9 @@ class DraftCoreMixin:
     __ascend_spec_adapter__ = True
     #: how the platform's MLA backend keeps the draft cache (graph.latent_cache): vLLM's single 576-wide latent
     _ascend_kv_layout = "single"
+    #: the platform binds a sparse-attention (DSA) draft layer's cache as ours reads it: vllm-ascend's SFA tuple
+    #: (:mod:`.sfa_cache`); vLLM's own indexer cache holds fp8 keys packed with their scales, which ours does not read
+    _sparse_cache_readable = False
     _draft_k: int = 0
 
     def _init_core(self, vllm_config: Any, runner_name: str) -> None:
@@ -182,6 +187,7 @@ class DraftCoreMixin:
         self.ascend_stats.cpu_expand_kernel = mend_cpu_rejection_sampler()
         logger.info("ascend_spec: vLLM API shapes in use: %s", drift)
         cfg = config_from_vllm(self.vllm_config)
+        refuse_unreadable_sparse_cache(cfg, self._sparse_cache_readable)
         self._refuse_unpaired_dp(cfg.moe is not None)
         if cfg.moe is not None and self.device.type == "cpu":
             refuse_cpu_dp_moe(self.vllm_config)
@@ -198,17 +204,16 @@ class DraftCoreMixin:
         """vLLM built the draft attention (``layer_names``) over a pool of ``num_blocks``; the cache is bound
         after this, so compile against a stand-in of the same layout, block size and shape (graphs take the cache
         as an input, so the real one replaces it without a recompile)."""
-        if len(layer_names) != 1:
+        latent = latent_layers(layer_names)  # a DSA layer's indexer registers its key cache as a layer too
+        if len(latent) != 1:
             raise CompatError(f"ascend_spec drafter expects one draft attention layer, vLLM built {layer_names}")
-        self._ascend_layer = layer_names[0]
-        cfg = self._ascend_model.cfg
-        stand_in = allocate_latent_cache(self._ascend_kv_layout, num_blocks, self._draft_block_size(),
-                                         cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                         self.vllm_config.model_config.dtype, self.device)
+        self._ascend_layer = latent[0]
+        stand_in = self._ascend_model.cfg.layer_cache(self._ascend_kv_layout, num_blocks, self._draft_block_size(),
+                                                      self.vllm_config.model_config.dtype, self.device)
         self._mark_static_on_cuda(stand_in)
         self._build_ascend(stand_in)
 
-    def _build_ascend(self, cache: LatentCache) -> None:
+    def _build_ascend(self, cache: LayerCache) -> None:
         s = self.ascend_settings
         g = s.graph
         backend = get_backend(g.effective_backend, self.device, mode=g.mode,
@@ -281,8 +286,7 @@ class DraftCoreMixin:
         return GraphStore(cache, key, external=module_refs(self._ascend_model))
 
     def _bind_cache(self) -> None:
-        cfg = self._ascend_model.cfg
-        cache = draft_cache_view(self.vllm_config, self._ascend_layer, (cfg.kv_lora_rank, cfg.qk_rope_head_dim),
+        cache = draft_cache_view(self.vllm_config, self._ascend_layer, self._ascend_model.cfg,
                                  self._draft_block_size())
         if not same_shape(cache, self._ascend.draft_cache):
             logger.warning("ascend_spec: draft KV cache %s differs from the compiled shape %s; recompiling",
@@ -292,7 +296,7 @@ class DraftCoreMixin:
             chain.draft_cache = cache
         self._ascend_cache_bound = True
 
-    def _mark_static_on_cuda(self, cache: LatentCache) -> None:
+    def _mark_static_on_cuda(self, cache: LayerCache) -> None:
         """vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy of
         their own (unmarked, the engine's own pool lost its writes under CUDA graphs). The stand-in warm-up compiles
         against is marked too, so the compiled graphs take a static cache; binding the real one re-records a CUDA
@@ -435,6 +439,16 @@ class DraftCoreMixin:
             logger.warning("ascend_spec drafter rank %d: steady-state decode batch of %d requests is above the "
                            "largest graph bucket %d and runs eagerly; add it to "
                            "torchair_graph_config.graph_batch_sizes", st.rank, b, self._ascend.graph.max_size)
+
+
+def refuse_unreadable_sparse_cache(cfg: Any, readable: bool) -> None:
+    """One error at start for a sparse-attention (DSA) draft where the platform's indexer cache is not one ours
+    reads: vLLM's holds fp8 keys packed with their scales (``DeepseekV32IndexerCache``)."""
+    if cfg.sparse_attention() is not None and not readable:
+        raise CompatError(f"model_type={cfg.model_type!r}: inside vLLM the draft layer's indexer keys are fp8, "
+                          "packed with their scales (DeepseekV32IndexerCache); ours drafts this family inside "
+                          "vllm-ascend (its SFA cache, keys in the model dtype) and in its own engine. Allowed: "
+                          "ascend_spec enabled: false (vLLM's drafter)")
 
 
 def live_stats() -> list[dict[str, Any]]:

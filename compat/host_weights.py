@@ -11,8 +11,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from ascend_spec.graph.config import ModelConfig
-from ascend_spec.graph.families import family_for_model_type
+from ascend_spec.graph.config import ConfigError, ModelConfig
+from ascend_spec.graph.families import build_model, family_for_model_type
 from ascend_spec.graph.external import External
 from ascend_spec.graph.layers import RMSNorm
 from ascend_spec.graph.model import DeepseekV3ForCausalLM
@@ -44,18 +44,19 @@ def _share_norm(ours: RMSNorm, vnorm: nn.Module) -> None:
 
 
 def config_from_vllm(vllm_config: Any) -> ModelConfig:
-    """Our ModelConfig from the draft model's HF config vLLM holds (no file is read)."""
+    """Our config, of the draft's family, from the draft model's HF config vLLM holds (no file is read)."""
     hf = vllm_config.speculative_config.draft_model_config.hf_config.to_dict()
     # vLLM renames every DeepSeek-style draft's model_type to deepseek_mtp; to_dict() gives the config class's own
-    family = family_for_model_type(hf.get("model_type"))  # one we do not draft: one error naming those we do
-    if family.config is not ModelConfig:
-        raise CompatError(f"model_type={hf.get('model_type')!r} ({family.name}) is drafted by ascend-spec's own "
-                          f"engine, not yet inside vLLM or vllm-ascend, where ours drafts model_type in "
-                          f"{list(ModelConfig.MODEL_TYPES)}; disable the ascend_spec drafter to use vLLM's")
-    hf["architectures"] = ["DeepseekV3ForCausalLM"]  # vLLM renames the draft's to DeepSeekMTPModel
+    try:
+        family = family_for_model_type(hf.get("model_type"))
+    except ConfigError as e:  # one we do not draft: one error naming those we do
+        raise CompatError(f"ascend_spec drafter: {e}; allowed: ascend_spec enabled: false (vLLM's drafter)") from e
+    config = family.config
+    # vLLM renames the draft's architectures (DeepSeekMTPModel, DeepseekV32MTPModel): the family's own
+    hf["architectures"] = [config.ARCHITECTURES[config.MODEL_TYPES.index(hf["model_type"])]]
     # The weights stay vLLM's, quantised or not, and run through vLLM's layers: our model needs only the shapes.
     hf.pop("quantization_config", None)
-    return ModelConfig.from_hf_dict(hf)
+    return config.from_hf_dict(hf)
 
 
 def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, device: torch.device,
@@ -71,7 +72,7 @@ def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, devi
                           f"tensor_parallel_size={tp_size}")
     local = dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp_size)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(local)
+        model = build_model(local)
     predictor = mtp_model.model
     mtp_layer = predictor.layers[str(cfg.num_hidden_layers)]
     decoder = mtp_layer.mtp_block
@@ -88,6 +89,8 @@ def mtp_model_on_vllm(mtp_model: nn.Module, cfg: ModelConfig, tp_size: int, devi
     _share_norm(ours.post_attention_layernorm, decoder.post_attention_layernorm)
     ours.eh_proj = mtp_layer.eh_proj  # a plain nn.Linear in vLLM: used as is
     _attention_on_vllm(ours.self_attn, decoder.self_attn, cfg, device)
+    if cfg.sparse_attention() is not None:
+        _indexer_on_vllm(ours.self_attn.indexer, decoder.self_attn)
     if cfg.is_moe_layer(cfg.num_hidden_layers):
         if moe_context is None:
             raise CompatError("ascend_spec drafter: the MTP layer is MoE, but no forward context for vLLM's MoE "
@@ -119,6 +122,30 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
     half = cfg.qk_rope_head_dim // 2
     attn.rope.cos_cached = cache[:, :half].to(device=device)
     attn.rope.sin_cached = cache[:, half:].to(device=device)
+
+
+@covers("indexer_wk_weights_proj")
+def _indexer_on_vllm(indexer: nn.Module, vattn: nn.Module) -> None:
+    """The MTP layer's lightning indexer on vLLM's: ``wq_b``, the key and per-head weight projections (merged into
+    ``wk_weights_proj`` from vLLM 0.2x, one GEMM split, as vLLM runs it; apart before), ``k_norm`` (vLLM's
+    LayerNorm, float32 weights). Replicated on every tensor-parallel rank, as vLLM keeps them. The RoPE is the
+    layer's (the same frequencies; the channel order is the family's, ``indexer_rope``)."""
+    vidx = getattr(vattn, "indexer", None)
+    if vidx is None:
+        raise CompatError("ascend_spec drafter: the draft model is a sparse-attention family, but vLLM's draft "
+                          "attention has no indexer (self_attn.indexer)")
+    indexer.wq_b = _linear(vidx.wq_b, "indexer wq_b")
+    merged = getattr(vidx, "wk_weights_proj", None)
+    if merged is not None:
+        split = [indexer.head_dim, indexer.n_heads]
+        both = _linear(merged, "indexer wk_weights_proj")
+        indexer.wk_and_weights = External(lambda x: both(x).split(split, dim=-1),
+                                          "vllm indexer wk_weights_proj (one GEMM, split)")
+        del indexer.wk, indexer.weights_proj
+    else:
+        indexer.wk = _linear(vidx.wk, "indexer wk")
+        indexer.weights_proj = _linear(vidx.weights_proj, "indexer weights_proj")
+    indexer.k_norm = External(vidx.k_norm, "vllm indexer k_norm (LayerNorm)")
 
 
 @covers("amx_mla_absorb")

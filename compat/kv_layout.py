@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ascend_spec.graph.latent_cache import LatentCache
+from ascend_spec.graph.config import ModelConfig
+from ascend_spec.graph.family import LayerCache
 
+from .sfa_cache import dsa_cache_parts
 from .shims import bound_kv_cache, draft_block_size, draft_kv_cache_parts, raise_if_missing
 
 __all__ = ["draft_block_size", "draft_cache_view", "draft_layer_names"]
@@ -20,10 +22,17 @@ def draft_layer_names(proposer: Any) -> list[str]:
     return sorted(names)
 
 
-def draft_cache_view(vllm_config: Any, layer_name: str, widths: tuple[int, int], block_size: int) -> LatentCache:
-    """The cache bound to ``layer_name`` in our layout (views, no copy): single ``[num_blocks, block_size, C + R]``
-    or the pair ``([num_blocks, block_size, C], [num_blocks, block_size, R])``; ``widths`` = ``(C, R)``."""
-    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
-    cache, missing = draft_kv_cache_parts(bound_kv_cache(layer), layer_name, widths, block_size)
+def draft_cache_view(vllm_config: Any, layer_name: str, cfg: ModelConfig, block_size: int) -> LayerCache:
+    """The cache bound to ``layer_name`` in the layout ``cfg``'s family reads (views, no copy): the latent single
+    ``[num_blocks, block_size, C + R]`` or pair ``([.., C], [.., R])``; a sparse-attention family's the pair and
+    its indexer's keys (vllm-ascend's SFA cache, :mod:`.sfa_cache`)."""
+    context = vllm_config.compilation_config.static_forward_context
+    widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    sparse = cfg.sparse_attention()
+    if sparse is not None:
+        cache, missing = dsa_cache_parts(context, layer_name, widths, sparse["index_head_dim"], block_size)
+        raise_if_missing(missing, "draft KV cache layout (sparse attention)")
+        return cache
+    cache, missing = draft_kv_cache_parts(bound_kv_cache(context.get(layer_name)), layer_name, widths, block_size)
     raise_if_missing(missing, "draft KV cache layout")
     return cache

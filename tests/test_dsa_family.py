@@ -144,26 +144,50 @@ def test_bad_dsa_configs_give_one_clear_error(changes, message):
         config_from_hf(_hf(**changes))
 
 
-@pytest.mark.parametrize("model_type,message", [
-    ("glm_moe_dsa", r"model_type='glm_moe_dsa' \(DeepSeek Sparse Attention .*\) is drafted by ascend-spec's own engine, "
-                    r"not yet inside vLLM"),
-    ("deepseek_v32", r"model_type='deepseek_v32' .* not yet inside vLLM"),
-    ("deepseek_v4", r"model_type='deepseek_v4' is not a family we draft; allowed: \['deepseek_v3', "),
-])
-def test_inside_vllm_a_draft_ours_does_not_run_there_is_one_error(model_type, message):
-    """vLLM hands every DeepSeek-style draft over renamed to ``deepseek_mtp`` (its config class keeps the model's
-    own type): a DSA model is refused by name until ours drafts it there, never read as DeepSeek-V3 without its
-    indexer; a family we do not draft at all is refused naming the ones we do."""
+def _vllm_config(hf: dict):
     from types import SimpleNamespace
 
+    return SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
+        hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))))
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_inside_vllm_the_draft_config_is_read_by_its_family(model_type):
+    """vLLM hands every DeepSeek-style draft over renamed to ``deepseek_mtp`` (its config class keeps the model's
+    own type): a DSA model is read by its family, indexer included, never as DeepSeek-V3 without it."""
+    from ascend_spec.compat.host_weights import config_from_vllm
+
+    cfg = config_from_vllm(_vllm_config({**_hf(), "model_type": model_type, "architectures": ["DeepSeekMTPModel"]}))
+    assert isinstance(cfg, DsaConfig) and cfg.model_type == model_type and cfg.sparse_attention() is not None
+
+
+def test_inside_vllm_a_family_we_do_not_draft_is_one_error():
     from ascend_spec.compat.host_weights import config_from_vllm
     from ascend_spec.compat.shims import CompatError
 
-    hf = {**_hf(), "model_type": model_type}
-    vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(
-        hf_config=SimpleNamespace(to_dict=lambda: dict(hf)))))
-    with pytest.raises((CompatError, ConfigError), match=message):
-        config_from_vllm(vllm_config)
+    with pytest.raises(CompatError, match=r"model_type='deepseek_v4' is not a family we draft; allowed: "
+                                          r"\['deepseek_v3', .*'deepseek_v32', 'glm_moe_dsa'\]"):
+        config_from_vllm(_vllm_config({**_hf(), "model_type": "deepseek_v4"}))
+
+
+def test_inside_vllm_itself_a_dsa_draft_is_one_error_at_start():
+    """vLLM's own indexer cache holds fp8 keys packed with their scales: its V1 and V2 adapters refuse a DSA
+    draft at load; vllm-ascend's (whose SFA cache keeps keys in the model dtype) draft it."""
+    from ascend_spec.compat import ascend, ascend_v2, draft_core, drafter, speculator_v2
+    from ascend_spec.compat.shims import CompatError
+    from ascend_spec.graph.config import ModelConfig
+
+    dsa = config_from_hf({**_hf(), "model_type": "glm_moe_dsa"})
+    with pytest.raises(CompatError, match=r"model_type='glm_moe_dsa': inside vLLM the draft layer's indexer keys "
+                                          r"are fp8.*enabled: false"):
+        draft_core.refuse_unreadable_sparse_cache(dsa, readable=False)
+    draft_core.refuse_unreadable_sparse_cache(dsa, readable=True)
+    v3 = ModelConfig.from_hf_dict({**_hf(), "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]})
+    draft_core.refuse_unreadable_sparse_cache(v3, readable=False)  # DeepSeek-V3: no indexer cache
+    assert draft_core.DraftCoreMixin._sparse_cache_readable is False
+    assert not drafter.AscendSpecMtpMixin._sparse_cache_readable
+    assert not speculator_v2.AscendSpecV2Mixin._sparse_cache_readable
+    assert ascend.AscendSpecNpuMixin._sparse_cache_readable and ascend_v2.AscendSpecNpuV2Mixin._sparse_cache_readable
 
 
 def test_indexer_layer_types_follow_transformers_and_vllm():

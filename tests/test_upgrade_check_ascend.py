@@ -49,11 +49,14 @@ V2_LOCATION = {"v2.init_speculator", "v2.eagle.init_speculator", "v2.NPUModelRun
 V2_MTP_CLASS = {"v2.AscendMTPSpeculator", "v2.AscendEagleSpeculator", "v2.AscendEagleSpeculator.set_attn",
                 "v2.AscendAutoRegressiveSpeculator.propose", "v2.AscendAutoRegressiveSpeculator.set_attn"}
 
+#: from v0.24.0rc1 the indexer's keys are bound on a cache layer of their own (shim ascend_sfa_cache)
+SFA_SPLIT = {"AscendSFAImpl._compose_sfa_kv_cache", "AscendSFAIndexerCacheSpec"}
+
 
 @pytest.mark.parametrize("tag,shimmed", [
-    ("v0.24.0rc1", V2_LOCATION),
-    ("v0.25.1rc1", V2_LOCATION | V2_MTP_CLASS),
-    ("main", V2_LOCATION | V2_MTP_CLASS | {"AscendEagleProposer._propose", "set_ascend_forward_context"}),
+    ("v0.24.0rc1", V2_LOCATION | SFA_SPLIT),
+    ("v0.25.1rc1", V2_LOCATION | V2_MTP_CLASS | SFA_SPLIT),
+    ("main", V2_LOCATION | V2_MTP_CLASS | SFA_SPLIT | {"AscendEagleProposer._propose", "set_ascend_forward_context"}),
 ])
 def test_supported_releases_pass_with_the_shims_named(capsys, tag, shimmed):
     code, rep = run(capsys, "--from", str(DATA / "v0.23.0"), "--source", str(DATA / tag), "--to", tag)
@@ -89,6 +92,21 @@ def test_a_factory_with_a_new_required_parameter_is_broken(capsys, tmp_path):
     assert code == 1 and verdicts(rep)["get_spec_decode_method"] == "BROKEN"
     item = next(r for r in rep["items"] if r["id"] == "get_spec_decode_method")
     assert "stream" in json.dumps(item)
+
+
+def test_a_release_that_changes_the_sfa_cache_seam_is_broken(capsys, tmp_path):
+    """The DSA seams are read too: an SFA cache composer that no longer takes the layer's cache is BROKEN until a
+    shim covers it; the GLM gate and the top-k buffer share are reported as found in every supported release."""
+    tree = tmp_path / "broken"
+    shutil.copytree(DATA / "main", tree)
+    f = tree / "vllm_ascend" / "attention" / "sfa_v1.py"
+    f.write_text(f.read_text().replace("def _compose_sfa_kv_cache(self, kv_cache)",
+                                       "def _compose_sfa_kv_cache(self, layer_caches)"))
+    code, rep = run(capsys, "--from", str(DATA / "v0.23.0"), "--source", str(tree), "--to", "x")
+    v = verdicts(rep)
+    assert code == 1 and v["AscendSFAImpl._compose_sfa_kv_cache"] == "BROKEN"
+    assert v["_is_glm_model"] == v["AscendSpecDecodeBaseProposer._maybe_share_topk_indices"] == "unchanged"
+    assert v["AscendSFABackend.get_supported_kernel_block_sizes"] == "unchanged"
 
 
 def test_to_reads_the_source_archive_of_a_tag(capsys, tmp_path):

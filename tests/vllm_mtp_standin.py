@@ -114,23 +114,29 @@ class LogitsProcessor(nn.Module):
 class DenseMLP(nn.Module):
     """``DeepseekV2MLP``: merged gate/up (column-parallel), vllm-ascend's ``SiluAndMul``, row-parallel down."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm: Any = None) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm: Any = None, npu_ops: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = ParallelLinear(gate_up)
         self.down_proj = ParallelLinear(down, comm)
+        self.npu_ops = npu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(torch.ops.npu.npu_swiglu(x, -1))
+        if self.npu_ops:
+            x = torch.ops.npu.npu_swiglu(x, -1)
+        else:  # vLLM's SiluAndMul on CPU
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        x, _ = self.down_proj(x)
         return x
 
 
 class MoE(nn.Module):
     """``DeepseekV2MoE``: router, routed and shared experts (ours, on torch_npu's fused ops), then the TP reduce."""
 
-    def __init__(self, ours: nn.Module, comm: Any = None) -> None:
+    def __init__(self, ours: nn.Module, comm: Any = None, npu_ops: bool = True) -> None:
         super().__init__()
-        ours.npu_ops = True
+        ours.npu_ops = npu_ops
         self.inner, self.comm = ours, comm
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -143,9 +149,39 @@ def _rows(w: torch.Tensor, rank: int, tp: int, groups: int = 1) -> torch.Tensor:
     return torch.cat([g.chunk(tp)[rank] for g in w.chunk(groups)])
 
 
+class IndexerLayerNorm(nn.Module):
+    """vLLM's ``LayerNorm(head_dim, eps=1e-6, dtype=torch.float32)``: float32 weights, computed in float32, the
+    result in the input's dtype."""
+
+    def __init__(self, norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(norm.weight.detach().float(), requires_grad=False)
+        self.bias = nn.Parameter(norm.bias.detach().float(), requires_grad=False)
+        self.eps = norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+
+def indexer(ours: nn.Module, merged: bool = True) -> nn.Module:
+    """vLLM's DSA ``Indexer`` (replicated on every rank): ``wq_b``, ``wk_weights_proj`` (``wk`` and
+    ``weights_proj`` stacked, vLLM 0.32) or the two apart (``merged=False``, older vLLM), ``k_norm``."""
+    vidx = nn.Module()
+    vidx.wq_b = ParallelLinear(ours.wq_b.weight)
+    if merged:
+        vidx.wk_weights_proj = ParallelLinear(torch.cat([ours.wk.weight, ours.weights_proj.weight]))
+    else:
+        vidx.wk, vidx.weights_proj = ParallelLinear(ours.wk.weight), ParallelLinear(ours.weights_proj.weight)
+    vidx.k_norm = IndexerLayerNorm(ours.k_norm)
+    return vidx
+
+
 def deepseek_mtp(model: DeepseekV3ForCausalLM, tp: int = 1, rank: int = 0,
-                 group: torch.distributed.ProcessGroup | None = None) -> nn.Module:
-    """vLLM's ``DeepSeekMTP`` on ``model``'s MTP tensors, rank ``rank`` of ``tp`` (``group``: the TP group)."""
+                 group: torch.distributed.ProcessGroup | None = None, merged: bool = True,
+                 npu_ops: bool = True) -> nn.Module:
+    """vLLM's ``DeepSeekMTP`` on ``model``'s MTP tensors, rank ``rank`` of ``tp`` (``group``: the TP group); a DSA
+    model's MTP layer with vLLM's ``Indexer`` (``merged``: its ``wk_weights_proj``). ``npu_ops=False``: the MLP and
+    MoE compute on plain torch ops (no torch_npu stand-in needed)."""
     cfg: ModelConfig = model.cfg
     comm = _communicator(group) if tp > 1 else None
     ours = model.mtp_layer(0)
@@ -171,17 +207,19 @@ def deepseek_mtp(model: DeepseekV3ForCausalLM, tp: int = 1, rank: int = 0,
     vattn.rotary_emb = nn.Module()
     vattn.rotary_emb.cos_sin_cache = torch.cat([attn.rope.cos_cached, attn.rope.sin_cached], dim=-1).to(
         attn.o_proj.weight.dtype)
+    if cfg.sparse_attention() is not None:
+        vattn.indexer = indexer(attn.indexer, merged)
 
     decoder = nn.Module()
     decoder.self_attn = vattn
     decoder.input_layernorm = Norm(ours.input_layernorm.weight, ours.input_layernorm.eps)
     decoder.post_attention_layernorm = Norm(ours.post_attention_layernorm.weight, ours.post_attention_layernorm.eps)
     if cfg.is_moe_layer(cfg.num_hidden_layers):
-        decoder.mlp = MoE(ours.mlp, comm)
+        decoder.mlp = MoE(ours.mlp, comm, npu_ops)
     else:
         mlp = ours.mlp
         gate_up = torch.cat([_rows(mlp.gate_proj.weight, rank, tp), _rows(mlp.up_proj.weight, rank, tp)])
-        decoder.mlp = DenseMLP(gate_up, mlp.down_proj.weight.chunk(tp, dim=1)[rank], comm)
+        decoder.mlp = DenseMLP(gate_up, mlp.down_proj.weight.chunk(tp, dim=1)[rank], comm, npu_ops)
 
     vocab = cfg.vocab_size
     shard = -(-vocab // tp)

@@ -85,7 +85,8 @@ def indexer_loss(model: DsaForCausalLM, inputs: list[tuple[DsaAttention, torch.T
             scores = (torch.einsum("bqhn,bkhn->bhqk", q_nope, kv)
                       + torch.einsum("bqhr,bkr->bhqk", q_pe, k_pe)) * cfg.softmax_scale
             target = scores.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)  # [B, S, S]
-        index = attn.indexer._scores(x, q_resid.detach(), positions, attn.indexer.keys(x, positions))
+        keys, weights = attn.indexer.project(x, positions)
+        index = attn.indexer._scores(weights, q_resid.detach(), positions, keys)
         # masked entries: target 0 and log_p 0, so they add 0 and no inf reaches the gradient
         log_p = index.masked_fill(~causal, float("-inf")).log_softmax(-1).masked_fill(~causal, 0.0)
         kl = target * (target.clamp_min(1e-12).log() - log_p)

@@ -33,6 +33,16 @@ EXCERPTS: dict[str, str] = {
     "vllm_ascend/worker/v2/spec_decode/mtp/__init__.py": "empty",
     "vllm_ascend/worker/v2/spec_decode/mtp/speculator.py": "verbatim",
     "vllm_ascend/platform.py": "class-attrs",
+    "vllm_ascend/attention/sfa_v1.py": "signatures",
+    "vllm_ascend/core/kv_cache_interface.py": "signatures",
+}
+#: defs kept verbatim in a ``signatures`` excerpt: the DSA seams the tests read (the SFA cache tuple and its block
+#: size, the GLM drafter's eager gate, the drafter's share of the target's top-k buffer)
+VERBATIM_DEFS: dict[str, tuple[str, ...]] = {
+    "vllm_ascend/attention/sfa_v1.py": ("get_kv_cache_shape", "get_supported_kernel_block_sizes",
+                                        "_compose_sfa_kv_cache", "kv_cache_indexer_k_idx",
+                                        "kv_cache_indexer_scale_idx"),
+    "vllm_ascend/spec_decode/llm_base_proposer.py": ("_is_glm_model", "_maybe_share_topk_indices"),
 }
 RUNNER_CLASS = "NPUModelRunner"
 #: runner methods kept verbatim: those touching the drafter or calling its factory (V1), the speculator (V2)
@@ -42,8 +52,9 @@ RUNNER_KEEP = {"vllm_ascend/worker/model_runner_v1.py": ("self.drafter", "get_sp
 RUNNER_NAMES = {"vllm_ascend/worker/model_runner_v1.py": ("_sync_metadata_across_dp",)}
 
 
-def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> ast.stmt:
-    fn.body = [ast.Expr(ast.Constant(...))]
+def _stub(fn: ast.FunctionDef | ast.AsyncFunctionDef, keep: tuple[str, ...] = ()) -> ast.stmt:
+    if fn.name not in keep:
+        fn.body = [ast.Expr(ast.Constant(...))]
     return fn
 
 
@@ -60,12 +71,13 @@ def excerpt(path: str, source: str) -> str | None:
         return source
     tree = ast.parse(source)
     body: list[ast.stmt] = _imports(tree)
+    keep = VERBATIM_DEFS.get(path, ())
     for st in tree.body:
         if how == "signatures":
             if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                body.append(_stub(st))
+                body.append(_stub(st, keep))
             elif isinstance(st, ast.ClassDef):
-                st.body = [_stub(f) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) else f
+                st.body = [_stub(f, keep) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) else f
                            for f in st.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Assign,
                                                               ast.AnnAssign))] or [ast.Pass()]
                 body.append(st)

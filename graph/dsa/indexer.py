@@ -30,6 +30,9 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, ic.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(ic.head_dim, eps=INDEXER_NORM_EPS)
         self.weights_proj = Linear(cfg.hidden_size, ic.n_heads, bias=False)
+        #: ``x → (wk(x), weights_proj(x))`` in one GEMM where a host engine keeps the two merged (vLLM's
+        #: ``wk_weights_proj``); None: the two projections apart
+        self.wk_and_weights: nn.Module | None = None
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [..., heads, head_dim]: the first ``rope_dim`` channels roped, the rest as they are."""
@@ -37,35 +40,39 @@ class Indexer(nn.Module):
         rot = self.rope.rotate_halves(rot, positions) if self.half_split_rope else self.rope(rot, positions)
         return torch.cat([rot, rest], dim=-1)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer input ``x [B, Q, D]`` → (the keys it caches ``[B, Q, head_dim]``, the per-head weights of its
+        queries ``[B, Q, H]``)."""
+        k, weights = self.wk_and_weights(x) if self.wk_and_weights is not None else (self.wk(x), self.weights_proj(x))
+        return self._rope(self.k_norm(k).unsqueeze(-2), positions).squeeze(-2), weights
+
     def keys(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The layer input ``x [B, Q, D]`` → the keys it caches ``[B, Q, head_dim]``."""
-        return self._rope(self.k_norm(self.wk(x)).unsqueeze(-2), positions).squeeze(-2)
+        return self.project(x, positions)[0]
 
     def _queries(self, q_resid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q = self.wq_b(q_resid).view(*q_resid.shape[:-1], self.n_heads, self.head_dim)
         return self._rope(q, positions)
 
-    def _scores(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
+    def _scores(self, weights: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
                 keys: torch.Tensor) -> torch.Tensor:
-        """Index scores ``[B, Q, W]`` of queries at ``positions`` against ``keys [B, W, head_dim]``, in float32 (as
-        transformers and vLLM score them)."""
+        """Index scores ``[B, Q, W]`` of queries at ``positions`` (per-head ``weights [B, Q, H]``) against ``keys
+        [B, W, head_dim]``, in float32 (as transformers and vLLM score them)."""
         q = self._queries(q_resid, positions).float()  # [B, Q, H, d]
         scores = torch.relu(torch.einsum("bqhd,bwd->bqhw", q, keys.float()) * self.head_dim ** -0.5)
-        weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, Q, H]
-        return torch.einsum("bqh,bqhw->bqw", weights, scores)
+        return torch.einsum("bqh,bqhw->bqw", weights.float() * self.n_heads ** -0.5, scores)
 
     #: select with torch_npu's lightning indexer (``sparse_kernels.npu_select``); set with the NPU attention kernel
     on_npu = False
 
-    def select_paged(self, x: torch.Tensor, q_resid: torch.Tensor, inp: PagedInputs,
+    def select_paged(self, weights: torch.Tensor, q_resid: torch.Tensor, inp: PagedInputs,
                      key_cache: torch.Tensor) -> torch.Tensor:
-        """Top-k context positions ``[B, Q, topk]`` (``NO_TOKEN`` past the visible ones) of each query, scored
-        against the request's cached keys (this forward's already written): its live blocks of ``key_cache
-        [blocks, block, head_dim]`` through ``inp.block_table``."""
+        """Top-k context positions ``[B, Q, topk]`` (``NO_TOKEN`` past the visible ones) of each query (its per-head
+        ``weights`` from :meth:`project`), scored against the request's cached keys (this forward's already
+        written): its live blocks of ``key_cache [blocks, block, head_dim]`` through ``inp.block_table``."""
         if self.on_npu:
-            return npu_select(self._queries(q_resid, inp.positions), self.weights_proj(x), key_cache, inp, self.topk)
+            return npu_select(self._queries(q_resid, inp.positions), weights, key_cache, inp, self.topk)
         keys = key_cache[inp.block_table.long()].flatten(1, 2)  # [B, W, d], W = table width × block
-        scores = self._scores(x, q_resid, inp.positions, keys)
+        scores = self._scores(weights, q_resid, inp.positions, keys)
         key_pos = torch.arange(keys.shape[1], device=keys.device)
         visible = (key_pos.view(1, 1, -1) <= inp.positions.unsqueeze(-1)) & (
             key_pos.view(1, 1, -1) < inp.seq_lens.view(-1, 1, 1))
@@ -75,7 +82,8 @@ class Indexer(nn.Module):
         """The same over whole sequences ``x [B, S, D]`` at positions 0..S-1, causal, no cache."""
         s = x.shape[1]
         positions = torch.arange(s, device=x.device).expand(x.shape[0], s)
-        scores = self._scores(x, q_resid, positions, self.keys(x, positions))
+        keys, weights = self.project(x, positions)
+        scores = self._scores(weights, q_resid, positions, keys)
         visible = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], s, s)
         return top_positions(scores, visible, self.topk)
 

@@ -47,8 +47,9 @@ class DsaAttention(MLAttention):
         self._write_latents(latent, inp, c_kv, k_pe)
         if selected is None:
             assert self.indexer is not None, "a shared DSA layer needs the top-k of a full layer"
-            self._write_keys(key_cache, inp, self.indexer.keys(x, inp.positions))
-            selected = self.indexer.select_paged(x, q_resid, inp, key_cache)
+            keys, weights = self.indexer.project(x, inp.positions)
+            self._write_keys(key_cache, inp, keys)
+            selected = self.indexer.select_paged(weights, q_resid, inp, key_cache)
         o_lat = self.sparse_kernel(self._absorb(q_nope), q_pe, latent_parts(latent, cfg.kv_lora_rank), inp,
                                    selected, cfg.softmax_scale)
         return self._output(o_lat), selected

@@ -60,7 +60,14 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     ...
 
 def _is_glm_model(model_config) -> bool:
-    ...
+    """Return True if the target model belongs to the GLM series.
+
+    Detection is based on the model_type string (covers glm, chatglm, glm4,
+    glm4_moe, glm4_moe_lite, glm4_1v, glm_ocr, glm_moe_dsa, etc).
+    """
+    hf_text_config = getattr(model_config, 'hf_text_config', None)
+    model_type = getattr(hf_text_config, 'model_type', '') or ''
+    return 'glm' in str(model_type).lower()
 
 class AscendSpecDecodeBaseProposer(SpecDecodeBaseProposer):
     _runnable: ACLGraphWrapper | Callable
@@ -84,7 +91,17 @@ class AscendSpecDecodeBaseProposer(SpecDecodeBaseProposer):
         ...
 
     def _maybe_share_topk_indices(self, target_language_model: nn.Module) -> None:
-        ...
+        if hasattr(target_language_model.model, 'topk_indices_buffer'):
+            if hasattr(self.model.model, 'topk_indices_buffer'):
+                del self.model.model.topk_indices_buffer
+            self.model.model.topk_indices_buffer = target_language_model.model.topk_indices_buffer
+            logger.info('[spec_decode/base] Detected MTP model with topk_indices_buffer. Sharing target model topk_indices_buffer with the draft model.')
+            target_buffer = target_language_model.model.topk_indices_buffer
+            draft_model = getattr(self.model, 'model', None)
+            if target_buffer is not None and draft_model is not None:
+                for _, module in draft_model.named_modules():
+                    if hasattr(module, 'topk_indices_buffer'):
+                        module.topk_indices_buffer = target_buffer
 
     def get_model(self) -> nn.Module:
         ...

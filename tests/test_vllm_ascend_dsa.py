@@ -1,0 +1,262 @@
+"""GLM-5.x and DeepSeek-V3.2 (the DSA family) drafted by ours inside vllm-ascend, on every vendored release, without
+an NPU: vllm-ascend's factory (V1) and ``init_speculator`` (V2) build ours for a ``glm_moe_dsa`` / ``deepseek_v32``
+draft; ours reads the draft config by its family, builds its MTP layer on vLLM's modules (``vllm_mtp_standin``, the
+indexer's ``wq_b`` / ``wk_weights_proj`` / ``k_norm`` included), compiles its draft chain through torchair's shape
+policy (one graph per bucket) and drafts on vllm-ascend's SFA cache at block 128, bound as the release binds it
+(``tests/data/vllm_ascend/<tag>/vllm_ascend/attention/sfa_v1.py``): the whole tuple on the MLA layer (v0.23.0), or
+the latent pair there and the indexer's keys on its own cache layer (from v0.24.0rc1). Over a greedy decode its
+drafts, cache writes and per-position acceptance equal our engine's eager proposer on the same inputs.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import types
+
+import pytest
+import torch
+
+from ascend_spec.graph.backends.rehearsal import RehearsalBackend
+
+from . import vllm_ascend_standin as standin
+from . import vllm_mtp_standin
+from .test_vllm_ascend_route import attn_metadata, release  # noqa: F401 (the fixture)
+from .test_vllm_ascend_v2 import init_speculator, input_batch, their_method, v2_config
+
+pytest.importorskip("vllm")
+
+BLOCK, NUM_BLOCKS, MAX_LEN = 128, 8, 64
+#: (preset, K): GLM-5.2's shape (MoE, a shared-top-k target layer, interleaved indexer RoPE) and DeepSeek-V3.2's
+#: (dense, the draft steps reusing the first step's top-k)
+CASES = [("glm5-shared-topk", 2), ("v32-half-rope", 3)]
+
+
+def splits_indexer_cache(tag: str) -> bool:
+    """Whether ``tag`` binds the indexer's keys on their own layer (``_compose_sfa_kv_cache`` joins them)."""
+    tree = ast.parse(standin.excerpt(tag, "vllm_ascend/attention/sfa_v1.py"))
+    return any(isinstance(n, ast.FunctionDef) and n.name == "_compose_sfa_kv_cache" for n in ast.walk(tree))
+
+
+def sfa_kernel_block_sizes(tag: str) -> list[int]:
+    tree = ast.parse(standin.excerpt(tag, "vllm_ascend/attention/sfa_v1.py"))
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+              and n.name == "get_supported_kernel_block_sizes")
+    return ast.literal_eval(fn.body[-1].value)
+
+
+def draft_config(path, model_type_check: str) -> types.SimpleNamespace:
+    """vLLM's draft model config as the drafter reads it: the checkpoint's HF config (vLLM renames the type to
+    ``deepseek_mtp``; ``to_dict`` gives the config class's own)."""
+    hf = json.loads((path / "config.json").read_text())
+    assert hf["model_type"] == model_type_check
+    return types.SimpleNamespace(hf_config=types.SimpleNamespace(to_dict=lambda: dict(hf)))
+
+
+def v1_config(path, model_type: str, k: int) -> types.SimpleNamespace:
+    spec = types.SimpleNamespace(method="mtp", num_speculative_tokens=k, draft_sample_method="greedy",
+                                 use_step3p5_mtp=lambda: False, draft_model_config=draft_config(path, model_type))
+    return types.SimpleNamespace(additional_config={"ascend_spec": {"enabled": True}}, speculative_config=spec,
+                                 use_v2_model_runner=False,
+                                 model_config=types.SimpleNamespace(max_model_len=MAX_LEN, dtype=torch.float32,
+                                                                    quantization=None),
+                                 scheduler_config=types.SimpleNamespace(max_num_seqs=4),
+                                 parallel_config=types.SimpleNamespace(data_parallel_size=1, data_parallel_rank=0))
+
+
+def sfa_cache(tag: str, cfg, layer: str, gen: torch.Generator) -> tuple[dict, tuple[torch.Tensor, ...]]:
+    """vllm-ascend's SFA cache of the draft layer as ``tag`` binds it (``static_forward_context``), and the three
+    tensors ``(k_nope, k_pe, indexer_k)`` ``[N, 128, 1, width]`` (unwritten slots hold noise)."""
+    from ascend_spec.compat.sfa_cache import indexer_cache_layer
+
+    widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer.head_dim)
+    nope, rope, keys = (torch.randn(NUM_BLOCKS, BLOCK, 1, w, generator=gen) * 0.1 for w in widths)
+    if splits_indexer_cache(tag):
+        ctx = {layer: types.SimpleNamespace(kv_cache=(nope, rope)),
+               indexer_cache_layer(layer): types.SimpleNamespace(kv_cache=(keys,))}
+    else:
+        ctx = {layer: types.SimpleNamespace(kv_cache=(nope, rope, keys))}
+    return ctx, (nope, rope, keys)
+
+
+def ours_on_vllm(d, ours, cfg) -> None:
+    """What ``_load_ours`` builds on vLLM's loaded MTP layer: our model on its modules (no copy)."""
+    from ascend_spec.compat.host_weights import mtp_model_on_vllm
+
+    vllm_mtp = vllm_mtp_standin.deepseek_mtp(ours, npu_ops=False)
+    moe = d._moe_context() if cfg.moe is not None else None
+    d._ascend_tp = 1
+    d._ascend_model = mtp_model_on_vllm(vllm_mtp, cfg, 1, torch.device("cpu"), moe)
+    assert type(d._ascend_model) is type(ours)
+
+
+class Target:
+    """Greedy verification by our DSA model's dense reference forward (the target's final-normed hidden states)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        hidden = self.model.target_dense(torch.tensor([ids]))[0]
+        return hidden, self.model.logits(hidden).argmax(-1).tolist()
+
+
+def decode(d, target: Target, prompts: list[list[int]], k: int, steps: int, reference):
+    """A greedy speculative decode of ``prompts`` as vllm-ascend's V1 runner drives its drafter (padded drafter
+    batch: every row verifies 1 + K tokens, ``token_indices_to_sample`` at the last accepted one); each step's
+    drafts checked against ``reference`` (our eager proposer) fed the inputs ours was given. Returns the
+    accepted drafts per position and the drafts made."""
+    seen = []
+    chain = d._ascend
+    propose = chain.propose
+    chain.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
+    accepted, made = [0] * k, 0
+    rows = len(prompts)
+    committed = [list(p) for p in prompts]
+    hid, greedy = zip(*(target(p) for p in prompts))
+    nxt = [g[-1] for g in greedy]
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
+    hidden = torch.cat(hid)
+    qsl = [0]
+    for p in prompts:
+        qsl.append(qsl[-1] + len(p))
+    tis = [q - 1 for q in qsl[1:]]
+    seq_lens = [len(p) for p in prompts]
+    for step in range(steps):
+        table = torch.tensor([[3], [5]], dtype=torch.int32)[:rows]
+        cam = attn_metadata(qsl, seq_lens, k, table)
+        cam = type(cam)(**{**cam.__dict__, "slot_mapping": torch.repeat_interleave(
+            table[:, 0].long(), torch.tensor([b - a for a, b in zip(qsl, qsl[1:])])) * BLOCK + pos})
+        drafts = d._propose(target_token_ids=ids, target_positions=pos, target_hidden_states=hidden,
+                            next_token_ids=torch.tensor(nxt), token_indices_to_sample=torch.tensor(tis),
+                            common_attn_metadata=cam, sampling_metadata=None, target_model_batch_desc=object(),
+                            req_scheduled_tokens={}, long_seq_metadata=None, num_prefill_reqs=0,
+                            num_decode_reqs=0, scheduler_output=object(), num_scheduled_tokens=qsl[-1],
+                            num_rejected_tokens_gpu=None)
+        assert torch.equal(drafts, reference.propose(seen[-1])), f"step {step}: ours differs from the eager proposer"
+        # the target verifies [next, d_1 .. d_K] of each row
+        verify = [[nxt[r], *drafts[r].tolist()] for r in range(rows)]
+        hid, pos_l, ids_l, tis, nxt_new, seq_lens = [], [], [], [], [], []
+        for r in range(rows):
+            start = len(committed[r])
+            h, g = target(committed[r] + verify[r])
+            a = 0
+            while a < k and verify[r][1 + a] == g[start + a]:
+                accepted[a] += 1
+                a += 1
+            made += 1
+            hid.append(h[start:start + 1 + k])
+            pos_l.append(torch.arange(start, start + 1 + k))
+            ids_l.extend(verify[r])
+            tis.append(r * (1 + k) + a)
+            nxt_new.append(g[start + a])
+            seq_lens.append(start + 1 + k)
+            committed[r] += verify[r][:1 + a]
+        hidden, pos, ids, nxt = torch.cat(hid), torch.cat(pos_l), torch.tensor(ids_l), nxt_new
+        qsl = [r * (1 + k) for r in range(rows + 1)]
+    return accepted, made
+
+
+@pytest.mark.parametrize("preset,k", CASES)
+def test_ours_drafts_dsa_on_vllm_ascends_sfa_cache_in_graph_mode(release, dsa_ckpts, monkeypatch, preset, k):
+    """V1: the release's factory builds ours for the DSA draft; our graphs are warmed on the SFA cache's shapes at
+    block 128 (the release's own SFA kernel block), bind vllm-ascend's tensors (no copy) and draft a greedy decode
+    with the same drafts, writes and per-position acceptance as the eager proposer."""
+    import vllm_ascend.spec_decode as sd
+
+    from ascend_spec.compat import draft_core
+    from ascend_spec.compat.host_weights import config_from_vllm
+    from ascend_spec.compat.sfa_cache import indexer_cache_layer
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.graph.weights import load_model
+    from ascend_spec.proposer import MtpProposer
+
+    assert sfa_kernel_block_sizes(release) == [BLOCK]
+    path = dsa_ckpts[(preset, "agreeing")]
+    ours = load_model(path)
+    model_type = ours.cfg.model_type
+    backend = RehearsalBackend("raise")
+    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: backend)
+    d = sd.get_spec_decode_method("mtp", v1_config(path, model_type, k), "cpu", None)
+    assert type(d).__name__.startswith("AscendSpec"), type(d)
+    cfg = config_from_vllm(d.vllm_config)
+    assert cfg.model_type == model_type and cfg.indexer == ours.cfg.indexer
+    ours_on_vllm(d, ours, cfg)
+    layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    d._ascend_block_size = BLOCK  # what NPUModelRunner passes to initialize_attn_backend
+    names = [layer, indexer_cache_layer(layer)] if splits_indexer_cache(release) else [layer]
+    d._build_on_stand_in(names, NUM_BLOCKS)
+    warmed = dict(backend.recorded)
+    widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer.head_dim)
+    assert warmed and all(shapes[-3:] == tuple((NUM_BLOCKS, BLOCK, w) for w in widths)
+                          for shapes in warmed.values()), warmed
+    gen = torch.Generator().manual_seed(0)
+    ctx, bound = sfa_cache(release, cfg, layer, gen)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    reference_cache = tuple(t.squeeze(2).clone() for t in bound)
+    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
+    accepted, made = decode(d, Target(ours), prompts, k, steps=6, reference=reference)
+    st = d.ascend_stats
+    assert st.graph_calls >= 6 and st.fallback_calls == 0, st
+    assert backend.recorded == warmed  # no graph met a shape warm-up had not made
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
+    for got, want in zip(bound, reference_cache):
+        torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
+    assert accepted[0] > 0, (accepted, made)  # drafts that verify: the decode exercised acceptance
+
+
+@pytest.mark.parametrize("preset,k", CASES[:1])
+def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypatch, preset, k):
+    """V2: the release's ``init_speculator`` builds ours for the DSA draft; ``set_attn`` finds the draft layer's
+    group (block 128) among the layers vLLM registered for it (the indexer's key cache among them where the
+    release binds it apart) and builds ours on the SFA cache's shapes; ``propose`` (vllm-ascend's arguments) binds
+    its tensors and drafts as the eager proposer does on the same inputs."""
+    from ascend_spec.compat.host_weights import config_from_vllm
+    from ascend_spec.compat import draft_core
+    from ascend_spec.compat.sfa_cache import indexer_cache_layer
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.graph.weights import load_model
+    from ascend_spec.proposer import MtpProposer
+
+    path = dsa_ckpts[(preset, "agreeing")]
+    ours = load_model(path)
+    backend = RehearsalBackend("raise")
+    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: backend)
+    vc = v2_config(True, k=k)
+    vc.model_config.max_model_len = MAX_LEN
+    vc.speculative_config.draft_model_config = draft_config(path, ours.cfg.model_type)
+    d = init_speculator(release)(vc, "cpu")
+    cfg = config_from_vllm(d.vllm_config)
+    ours_on_vllm(d, ours, cfg)
+    layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    names = {layer, indexer_cache_layer(layer)} if splits_indexer_cache(release) else {layer}
+    d.draft_attn_layer_names = names
+    group = types.SimpleNamespace(layer_names=sorted(names), kv_cache_spec=types.SimpleNamespace(block_size=BLOCK))
+    kv_cfg = types.SimpleNamespace(kv_cache_groups=[group], num_blocks=NUM_BLOCKS)
+    tables = types.SimpleNamespace(input_block_tables=[torch.tensor([[3], [5]], dtype=torch.int32)],
+                                   slot_mappings=[torch.tensor([3] * 3 + [5] * 3) * BLOCK])
+    extra = [object()] * (len(their_method(release, "set_attn").args.args) - 4)  # main: target buffers, groups
+    d.set_attn("model-state", kv_cfg, tables, *extra)
+    assert d._ascend_layer == layer and d._block_size == BLOCK
+    gen = torch.Generator().manual_seed(1)
+    ctx, bound = sfa_cache(release, cfg, layer, gen)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    batch = input_batch(k, [13, 23])
+    batch.input_ids = torch.randint(1, cfg.vocab_size, (2 * (1 + k),), generator=gen)
+    hidden = torch.randn(2 * (1 + k), cfg.hidden_size, generator=gen)
+    slots = {layer: torch.tensor([3] * (1 + k) + [5] * (1 + k)) * BLOCK + batch.positions}
+    seen = []
+    propose = d._ascend.propose
+    d._ascend.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
+    reference = tuple(t.squeeze(2).clone() for t in bound)
+    out = d.propose(batch, {}, slots, hidden, None, torch.tensor([1, 3]), torch.tensor([1, 0]),
+                    torch.tensor([[41], [42]]), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.zeros(4),
+                    None, False, False, None, False)
+    assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.fallback_calls == 0
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))
+    eager = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference)
+    assert torch.equal(out, eager.propose(seen[0]))
+    for got, want in zip(bound, reference):
+        torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
