@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ascend_spec_tools.upgrade import acceptance as gate
 
@@ -63,7 +64,7 @@ def test_no_drafts_fails():
 
 def test_committed_golden_matches_the_bundled_checkpoint():
     golden = gate.load_golden(gate.GOLDEN)  # raises GoldenStale when the checkpoint changed
-    assert sorted(golden["runs"]) == sorted(f"{d}_k{k}" for d in gate.DRAFTERS for k in gate.KS)
+    assert sorted(golden["runs"]) == sorted(f"{d}_k{k}" for d in (*gate.DRAFTERS, gate.DSA) for k in gate.KS)
     for name, c in golden["runs"].items():
         assert c["drafts"] > 0 and len(c["accepted_per_pos"]) == int(name[-1]), (name, c)
 
@@ -99,3 +100,21 @@ def test_gate_catches_a_drafter_reading_at_the_optimistic_length(tmp_path):
     if res["vllm"] == res["golden_vllm"]:  # greedy on the recording release reproduces the golden exactly
         assert theirs["delta"] == 0.0, res["table"]
     assert "| ours_k1 | 1 |" in res["table"] and "**FAIL**" in proc.stdout
+
+
+def test_the_gate_records_the_dsa_miniature_and_fails_a_broken_dsa_drafter(monkeypatch):
+    """The DSA family's runs (our engine on the bundled GLM-5-shaped miniature): the recorded acceptance is met,
+    and a DSA drafter that loses the target's hidden state fails the gate at every position."""
+    from ascend_spec.graph.dsa.model import DsaForCausalLM
+
+    golden = gate.load_golden(gate.GOLDEN)
+    s = golden["settings"]
+    now = gate.run_dsa((2,), s["prompts"], s["max_tokens"])
+    verdict, rows = gate.compare(golden["runs"], now)
+    assert verdict == "pass" and [(r["run"], r["pos"]) for r in rows] == [("dsa_k2", 0), ("dsa_k2", 1)]
+    assert all(r["golden"] > 0.2 for r in rows), rows
+    mtp_paged = DsaForCausalLM.mtp_paged
+    monkeypatch.setattr(DsaForCausalLM, "mtp_paged",
+                        lambda self, ids, hidden, *a, **kw: mtp_paged(self, ids, torch.zeros_like(hidden), *a, **kw))
+    verdict, rows = gate.compare(golden["runs"], gate.run_dsa((2,), s["prompts"], s["max_tokens"]))
+    assert verdict == "fail" and all(not r["ok"] and "dropped" in r["why"] for r in rows), rows

@@ -260,3 +260,26 @@ def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypat
     assert torch.equal(out, eager.propose(seen[0]))
     for got, want in zip(bound, reference):
         torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_glm_gate_runs_vllm_ascends_drafter_eagerly_and_ours_in_graph_mode(release, dsa_ckpts):
+    """The release's ``_is_glm_model`` (run as written) catches GLM-5's draft, so vllm-ascend's own drafter runs it
+    eagerly; enabled, the factory builds ours instead (its graphs: the test above); disabled, vllm-ascend's own."""
+    import vllm_ascend.spec_decode as sd
+
+    tree = ast.parse(standin.excerpt(release, "vllm_ascend/spec_decode/llm_base_proposer.py"))
+    ns: dict = {}
+    exec(compile(ast.Module([n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_is_glm_model"],
+                            []), "_is_glm_model", "exec"), ns)
+
+    def text_config(model_type: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(hf_text_config=types.SimpleNamespace(model_type=model_type))
+
+    assert ns["_is_glm_model"](text_config("glm_moe_dsa")) and not ns["_is_glm_model"](text_config("deepseek_v32"))
+    path = dsa_ckpts[("glm5-shared-topk", "agreeing")]
+    enabled = sd.get_spec_decode_method("mtp", v1_config(path, "glm_moe_dsa", 2), "cpu", None)
+    assert type(enabled).__name__ == "AscendSpecNpuMtpProposer" and enabled.ascend_enabled
+    off = v1_config(path, "glm_moe_dsa", 2)
+    off.additional_config = {"ascend_spec": {"enabled": False}}
+    theirs = sd.get_spec_decode_method("mtp", off, "cpu", None)
+    assert type(theirs).__name__ == "AscendEagleProposer"

