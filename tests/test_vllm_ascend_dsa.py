@@ -101,61 +101,96 @@ class Target:
         return hidden, self.model.logits(hidden).argmax(-1).tolist()
 
 
-def decode(d, target: Target, prompts: list[list[int]], k: int, steps: int, reference):
+class Decode:
     """A greedy speculative decode of ``prompts`` as vllm-ascend's V1 runner drives its drafter (padded drafter
-    batch: every row verifies 1 + K tokens, ``token_indices_to_sample`` at the last accepted one); each step's
-    drafts checked against ``reference`` (our eager proposer) fed the inputs ours was given. Returns the
-    accepted drafts per position and the drafts made."""
-    seen = []
-    chain = d._ascend
-    propose = chain.propose
-    chain.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
-    accepted, made = [0] * k, 0
-    rows = len(prompts)
-    committed = [list(p) for p in prompts]
-    hid, greedy = zip(*(target(p) for p in prompts))
-    nxt = [g[-1] for g in greedy]
-    ids = torch.tensor([t for p in prompts for t in p])
-    pos = torch.cat([torch.arange(len(p)) for p in prompts])
-    hidden = torch.cat(hid)
-    qsl = [0]
-    for p in prompts:
-        qsl.append(qsl[-1] + len(p))
-    tis = [q - 1 for q in qsl[1:]]
-    seq_lens = [len(p) for p in prompts]
-    for step in range(steps):
-        table = torch.tensor([[3], [5]], dtype=torch.int32)[:rows]
-        cam = attn_metadata(qsl, seq_lens, k, table)
-        cam = type(cam)(**{**cam.__dict__, "slot_mapping": torch.repeat_interleave(
-            table[:, 0].long(), torch.tensor([b - a for a, b in zip(qsl, qsl[1:])])) * BLOCK + pos})
-        drafts = d._propose(target_token_ids=ids, target_positions=pos, target_hidden_states=hidden,
-                            next_token_ids=torch.tensor(nxt), token_indices_to_sample=torch.tensor(tis),
-                            common_attn_metadata=cam, sampling_metadata=None, target_model_batch_desc=object(),
-                            req_scheduled_tokens={}, long_seq_metadata=None, num_prefill_reqs=0,
-                            num_decode_reqs=0, scheduler_output=object(), num_scheduled_tokens=qsl[-1],
-                            num_rejected_tokens_gpu=None)
-        assert torch.equal(drafts, reference.propose(seen[-1])), f"step {step}: ours differs from the eager proposer"
-        # the target verifies [next, d_1 .. d_K] of each row
-        verify = [[nxt[r], *drafts[r].tolist()] for r in range(rows)]
-        hid, pos_l, ids_l, tis, nxt_new, seq_lens = [], [], [], [], [], []
-        for r in range(rows):
-            start = len(committed[r])
-            h, g = target(committed[r] + verify[r])
+    batch: every row verifies the same count of tokens, ``token_indices_to_sample`` at the last accepted one). Each
+    :meth:`step` hands the verified batch to a drafter and returns its drafts, checked against ``reference`` (our
+    eager proposer) fed the inputs ours was given; ``accepted`` counts the accepted drafts per position."""
+
+    def __init__(self, target: Target, prompts: list[list[int]], k: int, reference) -> None:
+        self.target, self.k, self.reference = target, k, reference
+        self.rows = len(prompts)
+        self.accepted, self.made = [0] * k, 0
+        self.committed = [list(p) for p in prompts]
+        hid, greedy = zip(*(target(p) for p in prompts))
+        self.nxt = [g[-1] for g in greedy]
+        self.ids = torch.tensor([t for p in prompts for t in p])
+        self.pos = torch.cat([torch.arange(len(p)) for p in prompts])
+        self.hidden = torch.cat(hid)
+        self.qsl = [0]
+        for p in prompts:
+            self.qsl.append(self.qsl[-1] + len(p))
+        self.tis = [q - 1 for q in self.qsl[1:]]
+        self.seq_lens = [len(p) for p in prompts]
+
+    def step(self, d, verify_drafts: bool = True) -> torch.Tensor:
+        """``d`` drafts from the verified batch; then the target verifies the next token and (``verify_drafts``)
+        the drafts, else the next token alone (a decode node's first step after a remote prefill)."""
+        seen = []
+        chain = d._ascend
+        propose = chain.propose
+        chain.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
+        table = torch.tensor([[3], [5]], dtype=torch.int32)[:self.rows]
+        cam = attn_metadata(self.qsl, self.seq_lens, self.k, table)
+        widths = torch.tensor([b - a for a, b in zip(self.qsl, self.qsl[1:])])
+        cam = type(cam)(**{**cam.__dict__, "slot_mapping": torch.repeat_interleave(table[:, 0].long(), widths)
+                           * BLOCK + self.pos})
+        try:
+            drafts = d._propose(target_token_ids=self.ids, target_positions=self.pos, target_hidden_states=self.hidden,
+                                next_token_ids=torch.tensor(self.nxt), token_indices_to_sample=torch.tensor(self.tis),
+                                common_attn_metadata=cam, sampling_metadata=None, target_model_batch_desc=object(),
+                                req_scheduled_tokens={}, long_seq_metadata=None, num_prefill_reqs=0,
+                                num_decode_reqs=0, scheduler_output=object(), num_scheduled_tokens=self.qsl[-1],
+                                num_rejected_tokens_gpu=None)
+        finally:
+            chain.propose = propose
+        (inputs,) = seen
+        assert torch.equal(drafts, self.reference.propose(inputs)), "ours differs from the eager proposer"
+        q = 1 + self.k if verify_drafts else 1
+        hid, pos, ids, self.tis, nxt, self.seq_lens = [], [], [], [], [], []
+        for r in range(self.rows):
+            start = len(self.committed[r])
+            verify = [self.nxt[r], *drafts[r].tolist()][:q]
+            h, g = self.target(self.committed[r] + verify)
             a = 0
-            while a < k and verify[r][1 + a] == g[start + a]:
-                accepted[a] += 1
+            while a < q - 1 and verify[1 + a] == g[start + a]:
+                self.accepted[a] += 1
                 a += 1
-            made += 1
-            hid.append(h[start:start + 1 + k])
-            pos_l.append(torch.arange(start, start + 1 + k))
-            ids_l.extend(verify[r])
-            tis.append(r * (1 + k) + a)
-            nxt_new.append(g[start + a])
-            seq_lens.append(start + 1 + k)
-            committed[r] += verify[r][:1 + a]
-        hidden, pos, ids, nxt = torch.cat(hid), torch.cat(pos_l), torch.tensor(ids_l), nxt_new
-        qsl = [r * (1 + k) for r in range(rows + 1)]
-    return accepted, made
+            self.made += verify_drafts
+            hid.append(h[start:start + q])
+            pos.append(torch.arange(start, start + q))
+            ids.extend(verify)
+            self.tis.append(r * q + a)
+            nxt.append(g[start + a])
+            self.seq_lens.append(start + q)
+            self.committed[r] += verify[:1 + a]
+        self.hidden, self.pos, self.ids, self.nxt = torch.cat(hid), torch.cat(pos), torch.tensor(ids), nxt
+        self.qsl = [r * q for r in range(self.rows + 1)]
+        return drafts
+
+
+def ours_drafting_on_sfa(release, path, k, monkeypatch, backend):
+    """The V1 adapter the release's factory builds for the DSA draft at ``path``, built on vLLM's modules and
+    warmed on the SFA cache's shapes: ``(adapter, our DSA model, its config, the draft layer's name)``."""
+    import vllm_ascend.spec_decode as sd
+
+    from ascend_spec.compat import draft_core
+    from ascend_spec.compat.host_weights import config_from_vllm
+    from ascend_spec.compat.sfa_cache import indexer_cache_layer
+    from ascend_spec.graph.weights import load_model
+
+    ours = load_model(path)
+    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: backend)
+    d = sd.get_spec_decode_method("mtp", v1_config(path, ours.cfg.model_type, k), "cpu", None)
+    assert type(d).__name__ == "AscendSpecNpuMtpProposer" and d.ascend_enabled
+    cfg = config_from_vllm(d.vllm_config)
+    assert cfg.model_type == ours.cfg.model_type and cfg.indexer == ours.cfg.indexer
+    ours_on_vllm(d, ours, cfg)
+    layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    d._ascend_block_size = BLOCK  # what NPUModelRunner passes to initialize_attn_backend
+    d._build_on_stand_in([layer, indexer_cache_layer(layer)] if splits_indexer_cache(release) else [layer],
+                         NUM_BLOCKS)
+    return d, ours, cfg, layer
 
 
 @pytest.mark.parametrize("preset,k", CASES)
@@ -163,30 +198,12 @@ def test_ours_drafts_dsa_on_vllm_ascends_sfa_cache_in_graph_mode(release, dsa_ck
     """V1: the release's factory builds ours for the DSA draft; our graphs are warmed on the SFA cache's shapes at
     block 128 (the release's own SFA kernel block), bind vllm-ascend's tensors (no copy) and draft a greedy decode
     with the same drafts, writes and per-position acceptance as the eager proposer."""
-    import vllm_ascend.spec_decode as sd
-
-    from ascend_spec.compat import draft_core
-    from ascend_spec.compat.host_weights import config_from_vllm
-    from ascend_spec.compat.sfa_cache import indexer_cache_layer
     from ascend_spec.config import SpeculativeConfig
-    from ascend_spec.graph.weights import load_model
     from ascend_spec.proposer import MtpProposer
 
     assert sfa_kernel_block_sizes(release) == [BLOCK]
-    path = dsa_ckpts[(preset, "agreeing")]
-    ours = load_model(path)
-    model_type = ours.cfg.model_type
     backend = RehearsalBackend("raise")
-    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: backend)
-    d = sd.get_spec_decode_method("mtp", v1_config(path, model_type, k), "cpu", None)
-    assert type(d).__name__.startswith("AscendSpec"), type(d)
-    cfg = config_from_vllm(d.vllm_config)
-    assert cfg.model_type == model_type and cfg.indexer == ours.cfg.indexer
-    ours_on_vllm(d, ours, cfg)
-    layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
-    d._ascend_block_size = BLOCK  # what NPUModelRunner passes to initialize_attn_backend
-    names = [layer, indexer_cache_layer(layer)] if splits_indexer_cache(release) else [layer]
-    d._build_on_stand_in(names, NUM_BLOCKS)
+    d, ours, cfg, layer = ours_drafting_on_sfa(release, dsa_ckpts[(preset, "agreeing")], k, monkeypatch, backend)
     warmed = dict(backend.recorded)
     widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer.head_dim)
     assert warmed and all(shapes[-3:] == tuple((NUM_BLOCKS, BLOCK, w) for w in widths)
@@ -197,14 +214,56 @@ def test_ours_drafts_dsa_on_vllm_ascends_sfa_cache_in_graph_mode(release, dsa_ck
     reference_cache = tuple(t.squeeze(2).clone() for t in bound)
     reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
     prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
-    accepted, made = decode(d, Target(ours), prompts, k, steps=6, reference=reference)
+    run = Decode(Target(ours), prompts, k, reference)
+    for _ in range(6):
+        run.step(d)
     st = d.ascend_stats
-    assert st.graph_calls >= 6 and st.fallback_calls == 0, st
+    assert st.graph_calls == 6 and st.eager_calls == st.fallback_calls == 0, st
     assert backend.recorded == warmed  # no graph met a shape warm-up had not made
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
     for got, want in zip(bound, reference_cache):
         torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
-    assert accepted[0] > 0, (accepted, made)  # drafts that verify: the decode exercised acceptance
+    assert run.accepted[0] > 0, (run.accepted, run.made)  # drafts that verify: the decode exercised acceptance
+
+
+@pytest.mark.parametrize("transferred", ["sfa_tuple", "latent_only"])
+def test_a_decode_node_drafts_on_the_prompt_kv_the_prefill_node_wrote(release, dsa_ckpts, monkeypatch,
+                                                                      transferred):
+    """Prefill-decode disaggregation: the prefill node's drafter writes the prompt's draft-layer KV (latents and
+    indexer keys); the decode node's drafter, which never saw the prompt, gets that KV as transferred and drafts
+    from its first step as one node would. Transferring the latent pair without the indexer's keys (``latent_only``,
+    the shape of a transfer that forgets the SFA tuple's third tensor) makes its drafts differ: the test sees it.
+    Random weights: their drafts follow which tokens the indexer picks (a trained miniature's barely do)."""
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.proposer import MtpProposer
+
+    k, path = 2, dsa_ckpts[("glm5-shared-topk", "random")]
+    prefill_node, ours, cfg, layer = ours_drafting_on_sfa(release, path, k, monkeypatch, RehearsalBackend("raise"))
+    decode_node, *_ = ours_drafting_on_sfa(release, path, k, monkeypatch, RehearsalBackend("raise"))
+    gen = torch.Generator().manual_seed(2)
+    ctx, bound = sfa_cache(release, cfg, layer, gen)
+    prefill_node.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN,
+                            tuple(t.squeeze(2).clone() for t in bound))
+    # prompts longer than the indexer's top-k (16): which tokens a draft attends depends on the keys
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (27, 34)]
+    run = Decode(Target(ours), prompts, k, reference)
+    run.step(prefill_node, verify_drafts=False)  # the prefill node: the prompt; its drafts are not sent
+    # the decode node's pool: noise, then the prompt's blocks (3 and 5) as the KV transfer writes them
+    ctx_d, bound_d = sfa_cache(release, cfg, layer, gen)
+    sent = bound if transferred == "sfa_tuple" else bound[:2]
+    for src, dst in zip(sent, bound_d):
+        dst[[3, 5]] = src[[3, 5]]
+    decode_node.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx_d)
+    steps = 5
+    if transferred == "sfa_tuple":
+        for _ in range(steps):
+            run.step(decode_node)
+        assert decode_node.ascend_stats.graph_calls == steps
+        return
+    with pytest.raises(AssertionError, match="ours differs from the eager proposer"):
+        for _ in range(steps):
+            run.step(decode_node)
 
 
 @pytest.mark.parametrize("preset,k", CASES[:1])
