@@ -6,7 +6,8 @@ real ``TorchairBackend`` over the audit's stand-in torchair (``test_ge_op_audit`
 NPU ops with the wheel's schemas), bf16, block 128, the nope/rope pair. Our model is built by the drafter's own
 ``mtp_model_on_vllm`` on a stand-in of vLLM's loaded ``DeepSeekMTP`` (``vllm_mtp_standin``): vLLM's layers run
 inside the graph, with vLLM's ``DeviceCommunicatorBase`` collectives over a fake process group at TP = 2. Dense
-at TP 1 and 2, MoE at TP 2; each graph is tagged with its configuration. The table is the second one of
+at TP 1 and 2, MoE at TP 2, the DSA family (the bundled GLM-5 miniature, on the SFA tuple) at TP 1; each graph is
+tagged with its configuration. The table is the second one of
 ``docs/ge-op-audit.md`` (regenerate: ``ASCEND_SPEC_WRITE_GE_AUDIT=1 pytest tests/test_ge_op_audit_drafter.py``).
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from ascend_spec.graph.backends import torchair as torchair_backend
+from ascend_spec.models import BUNDLED_DSA_MODEL_DIR
 from ascend_spec.graph.backends.ge_audit import FAILING, audit
 from ascend_spec.graph.backends.lint import GraphLint
 
@@ -36,7 +38,7 @@ BLOCK = 128
 NUM_BLOCKS = 4
 #: (tag, checkpoint, TP size): dense on one rank and two, MoE on two (its one-rank ops are the dense graph's plus
 #: the MoE ops, which the TP 2 graph holds too)
-CONFIGS = (("dense-tp1", "dense", 1), ("dense-tp2", "dense", 2), ("moe-tp2", "moe", 2))
+CONFIGS = (("dense-tp1", "dense", 1), ("dense-tp2", "dense", 2), ("moe-tp2", "moe", 2), ("dsa-tp1", "dsa", 1))
 MARKERS = ("<!-- drafter-summary -->", "<!-- /drafter-summary -->", "<!-- drafter-table -->", "<!-- /drafter-table -->")
 
 
@@ -60,7 +62,6 @@ def _build_drafter(model_dir: Path, tp: int, group) -> None:
     import vllm_ascend.spec_decode as sd
 
     from ascend_spec.compat.host_weights import mtp_model_on_vllm
-    from ascend_spec.graph.latent_cache import allocate_latent_cache
     from ascend_spec.graph.weights import load_model
 
     ours = load_model(model_dir, dtype="bfloat16", part="mtp")
@@ -71,8 +72,7 @@ def _build_drafter(model_dir: Path, tp: int, group) -> None:
                                         torch.device("cpu"), d._moe_context(), opaque_moe=False)  # as on an NPU
     # vllm-ascend's lm_head and embedding are its own classes: no vocabulary-parallel greedy head, logits gathered
     assert d._ascend_model.greedy_head is None
-    d._build_ascend(allocate_latent_cache("pair", NUM_BLOCKS, BLOCK, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                          torch.bfloat16, "cpu"))
+    d._build_ascend(cfg.layer_cache("pair", NUM_BLOCKS, BLOCK, torch.bfloat16, "cpu"))  # a DSA layer's: the SFA tuple
     assert d.ascend_stats.backend == "torchair" and d.ascend_stats.buckets == [2], d.ascend_stats
 
 
@@ -102,7 +102,7 @@ def drafter_audited(wheel_sources, trained_dir, moe_dir, tmp_path_factory):  # n
             if tp > 1 and group is None:
                 group = vllm_mtp_standin.fake_tp_group(tp)
             prefix[0] = f"{tag}:"
-            _build_drafter(trained_dir if ckpt == "dense" else moe_dir, tp, group)
+            _build_drafter({"dense": trained_dir, "moe": moe_dir, "dsa": BUNDLED_DSA_MODEL_DIR}[ckpt], tp, group)
     finally:
         if group is not None:
             torch.distributed.destroy_process_group()

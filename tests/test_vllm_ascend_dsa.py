@@ -78,15 +78,16 @@ def sfa_cache(tag: str, cfg, layer: str, gen: torch.Generator) -> tuple[dict, tu
     return ctx, (nope, rope, keys)
 
 
-def ours_on_vllm(d, ours, cfg) -> None:
+def ours_on_vllm(d, ours, cfg, w8a8: bool = False) -> None:
     """What ``_load_ours`` builds on vLLM's loaded MTP layer: our model on its modules (no copy)."""
-    from ascend_spec.compat.host_weights import mtp_model_on_vllm
+    from ascend_spec.compat.host_weights import mtp_model_on_vllm, owned_tensor_bytes
 
-    vllm_mtp = vllm_mtp_standin.deepseek_mtp(ours, npu_ops=False)
+    vllm_mtp = vllm_mtp_standin.deepseek_mtp(ours, npu_ops=False, w8a8=w8a8)
     moe = d._moe_context() if cfg.moe is not None else None
     d._ascend_tp = 1
     d._ascend_model = mtp_model_on_vllm(vllm_mtp, cfg, 1, torch.device("cpu"), moe)
     assert type(d._ascend_model) is type(ours)
+    assert owned_tensor_bytes(d._ascend_model, vllm_mtp) == 0  # every weight is vLLM's
 
 
 class Target:
@@ -169,7 +170,7 @@ class Decode:
         return drafts
 
 
-def ours_drafting_on_sfa(release, path, k, monkeypatch, backend):
+def ours_drafting_on_sfa(release, path, k, monkeypatch, backend, w8a8: bool = False):
     """The V1 adapter the release's factory builds for the DSA draft at ``path``, built on vLLM's modules and
     warmed on the SFA cache's shapes: ``(adapter, our DSA model, its config, the draft layer's name)``."""
     import vllm_ascend.spec_decode as sd
@@ -185,7 +186,7 @@ def ours_drafting_on_sfa(release, path, k, monkeypatch, backend):
     assert type(d).__name__ == "AscendSpecNpuMtpProposer" and d.ascend_enabled
     cfg = config_from_vllm(d.vllm_config)
     assert cfg.model_type == ours.cfg.model_type and cfg.indexer == ours.cfg.indexer
-    ours_on_vllm(d, ours, cfg)
+    ours_on_vllm(d, ours, cfg, w8a8)
     layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
     d._ascend_block_size = BLOCK  # what NPUModelRunner passes to initialize_attn_backend
     d._build_on_stand_in([layer, indexer_cache_layer(layer)] if splits_indexer_cache(release) else [layer],
@@ -224,6 +225,33 @@ def test_ours_drafts_dsa_on_vllm_ascends_sfa_cache_in_graph_mode(release, dsa_ck
     for got, want in zip(bound, reference_cache):
         torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
     assert run.accepted[0] > 0, (run.accepted, run.made)  # drafts that verify: the decode exercised acceptance
+
+
+@pytest.mark.parametrize("release", ["main"], indirect=True)
+def test_a_w8a8_mtp_layer_drafts_through_vllm_ascends_quantised_modules(release, dsa_ckpts, monkeypatch):
+    """A W8A8 GLM-5.x-style checkpoint whose MTP layer is quantised too: ours runs vllm-ascend's quantised linears
+    (int8 weights, dynamic int8 activations; the indexer's ``wq_b`` among them) through its graphs, owns no weight,
+    and drafts as the eager proposer on the same modules; drafts still verify."""
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.proposer import MtpProposer
+
+    k = 3
+    d, ours, cfg, layer = ours_drafting_on_sfa(release, dsa_ckpts[("v32-half-rope", "agreeing")], k, monkeypatch,
+                                               RehearsalBackend("raise"), w8a8=True)
+    called = set()
+    forward = vllm_mtp_standin.W8A8Linear.forward
+    monkeypatch.setattr(vllm_mtp_standin.W8A8Linear, "forward", lambda m, x: called.add(id(m)) or forward(m, x))
+    gen = torch.Generator().manual_seed(3)
+    ctx, bound = sfa_cache(release, cfg, layer, gen)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    reference = MtpProposer(d._ascend_model, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN,
+                            tuple(t.squeeze(2).clone() for t in bound))
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (11, 20)]
+    run = Decode(Target(ours), prompts, k, reference)
+    for _ in range(6):
+        run.step(d)
+    assert d.ascend_stats.graph_calls == 6 and run.accepted[0] > 0, (d.ascend_stats, run.accepted)
+    assert len(called) == 6  # fused_qkv_a, q_b, o, the indexer's wq_b, the MLP's gate_up and down
 
 
 @pytest.mark.parametrize("transferred", ["sfa_tuple", "latent_only"])
@@ -266,7 +294,7 @@ def test_a_decode_node_drafts_on_the_prompt_kv_the_prefill_node_wrote(release, d
             run.step(decode_node)
 
 
-@pytest.mark.parametrize("preset,k", CASES[:1])
+@pytest.mark.parametrize("preset,k", CASES)
 def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypatch, preset, k):
     """V2: the release's ``init_speculator`` builds ours for the DSA draft; ``set_attn`` finds the draft layer's
     group (block 128) among the layers vLLM registered for it (the indexer's key cache among them where the

@@ -73,6 +73,27 @@ class ParallelLinear(nn.Module):
         return (self.comm.all_reduce(out) if self.comm is not None else out), None
 
 
+class W8A8Linear(nn.Module):
+    """A W8A8 linear as vllm-ascend's quant method runs it: int8 weights with a per-channel scale (``weight`` holds
+    the int8 tensor: no float copy exists), int8 activations with a per-token dynamic scale, int32 products
+    dequantised; a row-parallel one (``comm`` given) all-reduces its output."""
+
+    def __init__(self, weight: torch.Tensor, comm: Any = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127
+        self.weight = nn.Parameter(torch.round(w / scale).to(torch.int8), requires_grad=False)
+        self.weight_scale = nn.Parameter(scale.squeeze(1), requires_grad=False)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sx = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127
+        xq = torch.round(x.float() / sx).clamp(-127, 127)
+        out = (xq @ self.weight.float().t()) * sx * self.weight_scale
+        out = out.to(x.dtype)
+        return (self.comm.all_reduce(out) if self.comm is not None else out), None
+
+
 class VocabEmbedding(nn.Module):
     """``VocabParallelEmbedding``: rows ``[start, start + shard)`` of the vocabulary on this rank."""
 
@@ -114,10 +135,11 @@ class LogitsProcessor(nn.Module):
 class DenseMLP(nn.Module):
     """``DeepseekV2MLP``: merged gate/up (column-parallel), vllm-ascend's ``SiluAndMul``, row-parallel down."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm: Any = None, npu_ops: bool = True) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, comm: Any = None, npu_ops: bool = True,
+                 linear: type[nn.Module] = ParallelLinear) -> None:
         super().__init__()
-        self.gate_up_proj = ParallelLinear(gate_up)
-        self.down_proj = ParallelLinear(down, comm)
+        self.gate_up_proj = linear(gate_up)
+        self.down_proj = linear(down, comm)
         self.npu_ops = npu_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,11 +185,12 @@ class IndexerLayerNorm(nn.Module):
         return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps).to(x.dtype)
 
 
-def indexer(ours: nn.Module, merged: bool = True) -> nn.Module:
-    """vLLM's DSA ``Indexer`` (replicated on every rank): ``wq_b``, ``wk_weights_proj`` (``wk`` and
-    ``weights_proj`` stacked, vLLM 0.32) or the two apart (``merged=False``, older vLLM), ``k_norm``."""
+def indexer(ours: nn.Module, merged: bool = True, linear: type[nn.Module] = ParallelLinear) -> nn.Module:
+    """vLLM's DSA ``Indexer`` (replicated on every rank): ``wq_b`` (under the model's quant method),
+    ``wk_weights_proj`` (``wk`` and ``weights_proj`` stacked, vLLM 0.32; never quantised) or the two apart
+    (``merged=False``, older vLLM), ``k_norm``."""
     vidx = nn.Module()
-    vidx.wq_b = ParallelLinear(ours.wq_b.weight)
+    vidx.wq_b = linear(ours.wq_b.weight)
     if merged:
         vidx.wk_weights_proj = ParallelLinear(torch.cat([ours.wk.weight, ours.weights_proj.weight]))
     else:
@@ -178,10 +201,12 @@ def indexer(ours: nn.Module, merged: bool = True) -> nn.Module:
 
 def deepseek_mtp(model: DeepseekV3ForCausalLM, tp: int = 1, rank: int = 0,
                  group: torch.distributed.ProcessGroup | None = None, merged: bool = True,
-                 npu_ops: bool = True) -> nn.Module:
+                 npu_ops: bool = True, w8a8: bool = False) -> nn.Module:
     """vLLM's ``DeepSeekMTP`` on ``model``'s MTP tensors, rank ``rank`` of ``tp`` (``group``: the TP group); a DSA
     model's MTP layer with vLLM's ``Indexer`` (``merged``: its ``wk_weights_proj``). ``npu_ops=False``: the MLP and
-    MoE compute on plain torch ops (no torch_npu stand-in needed)."""
+    MoE compute on plain torch ops (no torch_npu stand-in needed). ``w8a8``: the layer's linears (attention, the
+    indexer's ``wq_b``, the dense MLP) quantised as a W8A8 checkpoint loads them."""
+    lin = W8A8Linear if w8a8 else ParallelLinear
     cfg: ModelConfig = model.cfg
     comm = _communicator(group) if tp > 1 else None
     ours = model.mtp_layer(0)
@@ -190,25 +215,25 @@ def deepseek_mtp(model: DeepseekV3ForCausalLM, tp: int = 1, rank: int = 0,
 
     vattn = nn.Module()
     if cfg.q_lora_rank:
-        vattn.fused_qkv_a_proj = ParallelLinear(torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]))
-        vattn.q_b_proj = ParallelLinear(_rows(attn.q_b_proj.weight, rank, tp))
+        vattn.fused_qkv_a_proj = lin(torch.cat([attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight]))
+        vattn.q_b_proj = lin(_rows(attn.q_b_proj.weight, rank, tp))
         vattn.q_a_layernorm = Norm(attn.q_a_layernorm.weight, attn.q_a_layernorm.eps)
     else:
         vattn.q_proj = ParallelLinear(_rows(attn.q_proj.weight, rank, tp))
         vattn.kv_a_proj_with_mqa = ParallelLinear(attn.kv_a_proj_with_mqa.weight)
     vattn.kv_a_layernorm = Norm(attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
-    vattn.o_proj = ParallelLinear(attn.o_proj.weight.chunk(tp, dim=1)[rank], comm)
+    vattn.o_proj = lin(attn.o_proj.weight.chunk(tp, dim=1)[rank], comm)
     kv_b = attn.kv_b_proj.weight.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
     local = kv_b.chunk(tp)[rank]
     mla = nn.Module()  # vLLM's MLAAttention, which holds the absorbed matrices after loading
     mla.W_UK_T = local[:, : cfg.qk_nope_head_dim].contiguous()  # [H, nope, C]
     mla.W_UV = local[:, cfg.qk_nope_head_dim:].transpose(1, 2).contiguous()  # [H, C, v]
     vattn.mla_attn = mla
-    vattn.rotary_emb = nn.Module()
-    vattn.rotary_emb.cos_sin_cache = torch.cat([attn.rope.cos_cached, attn.rope.sin_cached], dim=-1).to(
-        attn.o_proj.weight.dtype)
+    vattn.rotary_emb = nn.Module()  # vLLM's RotaryEmbedding keeps cos_sin_cache as a buffer
+    vattn.rotary_emb.register_buffer("cos_sin_cache", torch.cat(
+        [attn.rope.cos_cached, attn.rope.sin_cached], dim=-1).to(attn.o_proj.weight.dtype), persistent=False)
     if cfg.sparse_attention() is not None:
-        vattn.indexer = indexer(attn.indexer, merged)
+        vattn.indexer = indexer(attn.indexer, merged, lin)
 
     decoder = nn.Module()
     decoder.self_attn = vattn
@@ -219,7 +244,7 @@ def deepseek_mtp(model: DeepseekV3ForCausalLM, tp: int = 1, rank: int = 0,
     else:
         mlp = ours.mlp
         gate_up = torch.cat([_rows(mlp.gate_proj.weight, rank, tp), _rows(mlp.up_proj.weight, rank, tp)])
-        decoder.mlp = DenseMLP(gate_up, mlp.down_proj.weight.chunk(tp, dim=1)[rank], comm, npu_ops)
+        decoder.mlp = DenseMLP(gate_up, mlp.down_proj.weight.chunk(tp, dim=1)[rank], comm, npu_ops, lin)
 
     vocab = cfg.vocab_size
     shard = -(-vocab // tp)
