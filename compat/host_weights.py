@@ -126,8 +126,8 @@ def _attention_on_vllm(attn: nn.Module, vattn: nn.Module, cfg: ModelConfig, devi
 
 @covers("indexer_wk_weights_proj")
 def _indexer_on_vllm(indexer: nn.Module, vattn: nn.Module) -> None:
-    """The MTP layer's lightning indexer on vLLM's: ``wq_b``, the key and per-head weight projections (merged into
-    ``wk_weights_proj`` from vLLM 0.2x, one GEMM split, as vLLM runs it; apart before), ``k_norm`` (vLLM's
+    """The MTP layer's lightning indexer on vLLM's: ``wq_b``, the key and per-head weight projections (vLLM's merged
+    ``wk_weights_proj``, one GEMM split as vLLM runs it; apart in releases before the merge), ``k_norm`` (vLLM's
     LayerNorm, float32 weights). Replicated on every tensor-parallel rank, as vLLM keeps them. The RoPE is the
     layer's (the same frequencies; the channel order is the family's, ``indexer_rope``)."""
     vidx = getattr(vattn, "indexer", None)
