@@ -4,8 +4,9 @@ draft; ours reads the draft config by its family, builds its MTP layer on vLLM's
 indexer's ``wq_b`` / ``wk_weights_proj`` / ``k_norm`` included), compiles its draft chain through torchair's shape
 policy (one graph per bucket) and drafts on vllm-ascend's SFA cache at block 128, bound as the release binds it
 (``tests/data/vllm_ascend/<tag>/vllm_ascend/attention/sfa_v1.py``): the whole tuple on the MLA layer (v0.23.0), or
-the latent pair there and the indexer's keys on its own cache layer (from v0.24.0rc1). Over a greedy decode its
-drafts, cache writes and per-position acceptance equal our engine's eager proposer on the same inputs.
+the latent pair there and the indexer's keys on its own cache layer (from v0.24.0rc1). Over a greedy decode, on both
+runners, its drafts and cache writes (so its per-position acceptance) equal our engine's eager proposer's on the
+same inputs.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ascend_spec.graph.backends.rehearsal import RehearsalBackend
 from . import vllm_ascend_standin as standin
 from . import vllm_mtp_standin
 from .test_vllm_ascend_route import attn_metadata, release  # noqa: F401 (the fixture)
-from .test_vllm_ascend_v2 import init_speculator, input_batch, their_method, v2_config
+from .test_vllm_ascend_v2 import init_speculator, their_method, v2_config
 
 pytest.importorskip("vllm")
 
@@ -137,12 +138,25 @@ class Decode:
         cam = type(cam)(**{**cam.__dict__, "slot_mapping": torch.repeat_interleave(table[:, 0].long(), widths)
                            * BLOCK + self.pos})
         try:
-            drafts = d._propose(target_token_ids=self.ids, target_positions=self.pos, target_hidden_states=self.hidden,
-                                next_token_ids=torch.tensor(self.nxt), token_indices_to_sample=torch.tensor(self.tis),
-                                common_attn_metadata=cam, sampling_metadata=None, target_model_batch_desc=object(),
-                                req_scheduled_tokens={}, long_seq_metadata=None, num_prefill_reqs=0,
-                                num_decode_reqs=0, scheduler_output=object(), num_scheduled_tokens=self.qsl[-1],
-                                num_rejected_tokens_gpu=None)
+            if hasattr(d, "set_attn"):  # vllm-ascend's V2 runner: its propose(input_batch, ...) positionally
+                qsl = torch.tensor(self.qsl)
+                batch = types.SimpleNamespace(
+                    num_reqs=self.rows, num_scheduled_tokens=widths.numpy(), query_start_loc=qsl,
+                    idx_mapping=torch.arange(self.rows), positions=self.pos, input_ids=self.ids,
+                    seq_lens=torch.tensor(self.seq_lens), seq_lens_cpu_upper_bound=torch.tensor(self.seq_lens))
+                rejected = qsl[1:] - 1 - torch.tensor(self.tis)
+                drafts = d.propose(batch, {}, {d._ascend_layer: cam.slot_mapping}, self.hidden, None,
+                                   torch.ones(self.rows, dtype=torch.long), rejected,
+                                   torch.tensor(self.nxt).view(-1, 1), torch.zeros(4, dtype=torch.long),
+                                   torch.zeros(4), torch.zeros(4), None, False, False, None, False)
+            else:
+                drafts = d._propose(target_token_ids=self.ids, target_positions=self.pos,
+                                    target_hidden_states=self.hidden, next_token_ids=torch.tensor(self.nxt),
+                                    token_indices_to_sample=torch.tensor(self.tis), common_attn_metadata=cam,
+                                    sampling_metadata=None, target_model_batch_desc=object(), req_scheduled_tokens={},
+                                    long_seq_metadata=None, num_prefill_reqs=0, num_decode_reqs=0,
+                                    scheduler_output=object(), num_scheduled_tokens=self.qsl[-1],
+                                    num_rejected_tokens_gpu=None)
         finally:
             chain.propose = propose
         (inputs,) = seen
@@ -299,7 +313,7 @@ def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypat
     """V2: the release's ``init_speculator`` builds ours for the DSA draft; ``set_attn`` finds the draft layer's
     group (block 128) among the layers vLLM registered for it (the indexer's key cache among them where the
     release binds it apart) and builds ours on the SFA cache's shapes; ``propose`` (vllm-ascend's arguments) binds
-    its tensors and drafts as the eager proposer does on the same inputs."""
+    its tensors and drafts a greedy decode as the eager proposer does on the same inputs, step by step."""
     from ascend_spec.compat.host_weights import config_from_vllm
     from ascend_spec.compat import draft_core
     from ascend_spec.compat.sfa_cache import indexer_cache_layer
@@ -330,23 +344,18 @@ def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypat
     gen = torch.Generator().manual_seed(1)
     ctx, bound = sfa_cache(release, cfg, layer, gen)
     d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
-    batch = input_batch(k, [13, 23])
-    batch.input_ids = torch.randint(1, cfg.vocab_size, (2 * (1 + k),), generator=gen)
-    hidden = torch.randn(2 * (1 + k), cfg.hidden_size, generator=gen)
-    slots = {layer: torch.tensor([3] * (1 + k) + [5] * (1 + k)) * BLOCK + batch.positions}
-    seen = []
-    propose = d._ascend.propose
-    d._ascend.propose = lambda inputs, return_logits=False: seen.append(inputs) or propose(inputs, return_logits)
-    reference = tuple(t.squeeze(2).clone() for t in bound)
-    out = d.propose(batch, {}, slots, hidden, None, torch.tensor([1, 3]), torch.tensor([1, 0]),
-                    torch.tensor([[41], [42]]), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.zeros(4),
-                    None, False, False, None, False)
-    assert d.ascend_stats.graph_calls == 1 and d.ascend_stats.fallback_calls == 0
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))
-    eager = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference)
-    assert torch.equal(out, eager.propose(seen[0]))
-    for got, want in zip(bound, reference):
+    reference_cache = tuple(t.squeeze(2).clone() for t in bound)
+    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
+    run = Decode(Target(ours), prompts, k, reference)
+    for _ in range(6):
+        run.step(d)
+    st = d.ascend_stats
+    assert st.graph_calls == 6 and st.eager_calls == st.fallback_calls == 0, st
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
+    for got, want in zip(bound, reference_cache):
         torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
+    assert run.accepted[0] > 0, (run.accepted, run.made)
 
 
 def test_the_glm_gate_runs_vllm_ascends_drafter_eagerly_and_ours_in_graph_mode(release, dsa_ckpts):
