@@ -184,6 +184,31 @@ class Decode:
         return drafts
 
 
+def decode_as_eager(d, ours, release: str, layer: str, k: int, seed: int, steps: int = 6) -> None:
+    """Bind an SFA cache to ``d`` and decode two prompts greedily for ``steps`` steps: every draft through ours'
+    graphs, equal to the eager proposer's on the same inputs (:class:`Decode`), the cache written in place as the
+    eager proposer writes its copy, and drafts accepted."""
+    from ascend_spec.config import SpeculativeConfig
+    from ascend_spec.proposer import MtpProposer
+
+    cfg = ours.cfg
+    gen = torch.Generator().manual_seed(seed)
+    ctx, bound = sfa_cache(release, cfg, layer, gen)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    reference_cache = tuple(t.squeeze(2).clone() for t in bound)
+    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
+    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
+    run = Decode(Target(ours), prompts, k, reference)
+    for _ in range(steps):
+        run.step(d)
+    st = d.ascend_stats
+    assert st.graph_calls == steps and st.eager_calls == st.fallback_calls == 0, st
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
+    for got, want in zip(bound, reference_cache):
+        torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
+    assert run.accepted[0] > 0, (run.accepted, run.made)  # drafts that verify: the decode exercised acceptance
+
+
 def ours_drafting_on_sfa(release, path, k, monkeypatch, backend, w8a8: bool = False):
     """The V1 adapter the release's factory builds for the DSA draft at ``path``, built on vLLM's modules and
     warmed on the SFA cache's shapes: ``(adapter, our DSA model, its config, the draft layer's name)``."""
@@ -223,22 +248,8 @@ def test_ours_drafts_dsa_on_vllm_ascends_sfa_cache_in_graph_mode(release, dsa_ck
     widths = (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.indexer.head_dim)
     assert warmed and all(shapes[-3:] == tuple((NUM_BLOCKS, BLOCK, w) for w in widths)
                           for shapes in warmed.values()), warmed
-    gen = torch.Generator().manual_seed(0)
-    ctx, bound = sfa_cache(release, cfg, layer, gen)
-    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
-    reference_cache = tuple(t.squeeze(2).clone() for t in bound)
-    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
-    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
-    run = Decode(Target(ours), prompts, k, reference)
-    for _ in range(6):
-        run.step(d)
-    st = d.ascend_stats
-    assert st.graph_calls == 6 and st.eager_calls == st.fallback_calls == 0, st
+    decode_as_eager(d, ours, release, layer, k, seed=0)
     assert backend.recorded == warmed  # no graph met a shape warm-up had not made
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
-    for got, want in zip(bound, reference_cache):
-        torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
-    assert run.accepted[0] > 0, (run.accepted, run.made)  # drafts that verify: the decode exercised acceptance
 
 
 @pytest.mark.parametrize("release", ["main"], indirect=True)
@@ -341,21 +352,7 @@ def test_v2_speculator_drafts_dsa_on_the_sfa_cache(release, dsa_ckpts, monkeypat
     extra = [object()] * (len(their_method(release, "set_attn").args.args) - 4)  # main: target buffers, groups
     d.set_attn("model-state", kv_cfg, tables, *extra)
     assert d._ascend_layer == layer and d._block_size == BLOCK
-    gen = torch.Generator().manual_seed(1)
-    ctx, bound = sfa_cache(release, cfg, layer, gen)
-    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
-    reference_cache = tuple(t.squeeze(2).clone() for t in bound)
-    reference = MtpProposer(ours, SpeculativeConfig(num_speculative_tokens=k), MAX_LEN, reference_cache)
-    prompts = [torch.randint(1, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 14)]
-    run = Decode(Target(ours), prompts, k, reference)
-    for _ in range(6):
-        run.step(d)
-    st = d.ascend_stats
-    assert st.graph_calls == 6 and st.eager_calls == st.fallback_calls == 0, st
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(d._ascend.draft_cache, bound))  # vllm-ascend's own
-    for got, want in zip(bound, reference_cache):
-        torch.testing.assert_close(got.squeeze(2), want, rtol=1e-5, atol=1e-6)
-    assert run.accepted[0] > 0, (run.accepted, run.made)
+    decode_as_eager(d, ours, release, layer, k, seed=1)
 
 
 def test_the_glm_gate_runs_vllm_ascends_drafter_eagerly_and_ours_in_graph_mode(release, dsa_ckpts):
