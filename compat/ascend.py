@@ -240,6 +240,10 @@ class AscendSpecNpuMixin(AscendNpuContextMixin, AscendSpecMtpMixin):
             self._ascend_block_size = block_size
         extra = () if block_size is None else (block_size,)
         super().initialize_attn_backend(kv_cache_config, *extra, *args, **kwargs)
+        if self.ascend_enabled:
+            # NPUModelRunner.initialize_kv_cache binds the KV cache before this call (every release): a layout
+            # ours does not read (int8 indexer keys, a packed int8 latent) is one error at start
+            self._bind_if_bound()
 
     def _refuse_unpaired_dp(self, moe: bool) -> None:
         dp = self.ascend_stats.dp_size

@@ -34,7 +34,7 @@ from .kv_layout import draft_cache_view
 from .sfa_cache import latent_layers
 from .schedule_k import draft_ks
 from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
-from .shims import CompatError, installed_vllm_version
+from .shims import CompatError, bound_kv_cache, installed_vllm_version
 from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
 from .shims_sampling import mend_cpu_rejection_sampler
 
@@ -295,6 +295,12 @@ class DraftCoreMixin:
         for chain in self._ascend_chains.values():
             chain.draft_cache = cache
         self._ascend_cache_bound = True
+
+    def _bind_if_bound(self) -> None:
+        """Bind the draft layer's cache now if the runner has bound it already, else at the first draft."""
+        context = getattr(getattr(self.vllm_config, "compilation_config", None), "static_forward_context", None)
+        if context and bound_kv_cache(context.get(self._ascend_layer)) is not None:
+            self._bind_cache()
 
     def _mark_static_on_cuda(self, cache: LayerCache) -> None:
         """vLLM's KV pool lives as long as the engine: CUDA graphs must write it where it is, not into a copy of

@@ -376,3 +376,46 @@ def test_the_glm_gate_runs_vllm_ascends_drafter_eagerly_and_ours_in_graph_mode(r
     off.additional_config = {"ascend_spec": {"enabled": False}}
     theirs = sd.get_spec_decode_method("mtp", off, "cpu", None)
     assert type(theirs).__name__ == "AscendEagleProposer"
+
+
+@pytest.mark.parametrize("release", ["v0.23.0", "main"], indirect=True)
+@pytest.mark.parametrize("keys", ["model_dtype", "int8_with_scale"])
+def test_the_sfa_cache_is_checked_at_start(release, dsa_ckpts, monkeypatch, keys):
+    """NPUModelRunner binds the KV cache before it calls ``initialize_attn_backend``: there ours binds the SFA
+    cache at once, so int8 indexer keys (a scale cache beside them) are one error at start, naming them."""
+    import vllm_ascend.spec_decode as sd
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from ascend_spec.compat import draft_core
+    from ascend_spec.compat.host_weights import config_from_vllm
+    from ascend_spec.compat.sfa_cache import indexer_cache_layer
+    from ascend_spec.compat.shims import CompatError
+    from ascend_spec.graph.weights import load_model
+
+    path = dsa_ckpts[("v32-half-rope", "agreeing")]
+    ours = load_model(path)
+    monkeypatch.setattr(draft_core, "get_backend", lambda *a, **kw: RehearsalBackend("raise"))
+    d = sd.get_spec_decode_method("mtp", v1_config(path, ours.cfg.model_type, 2), "cpu", None)
+    cfg = config_from_vllm(d.vllm_config)
+    ours_on_vllm(d, ours, cfg)
+    layer = f"model.layers.{cfg.num_hidden_layers}.self_attn.attn"
+    names = [layer, indexer_cache_layer(layer)] if splits_indexer_cache(release) else [layer]
+    monkeypatch.setattr(SpecDecodeBaseProposer, "initialize_attn_backend",  # vLLM's: the draft attention groups
+                        lambda self, kv_cache_config, kernel_block_sizes=None: setattr(
+                            self, "draft_attn_groups", [types.SimpleNamespace(layer_names=names)]))
+    ctx, bound = sfa_cache(release, cfg, layer, torch.Generator().manual_seed(4))
+    if keys == "int8_with_scale":
+        int8 = bound[2].to(torch.int8)
+        scale = torch.ones(NUM_BLOCKS, BLOCK, 1, 1)
+        if splits_indexer_cache(release):
+            ctx[indexer_cache_layer(layer)].kv_cache = (int8, scale)
+        else:
+            ctx[layer].kv_cache = (*bound[:2], int8, scale)
+    d.vllm_config.compilation_config = types.SimpleNamespace(static_forward_context=ctx)
+    kv_cfg = types.SimpleNamespace(num_blocks=NUM_BLOCKS)
+    if keys == "int8_with_scale":
+        with pytest.raises(CompatError, match=r"int8 indexer keys \(sparse LI C8\) are not read by ours"):
+            d.initialize_attn_backend(kv_cfg, BLOCK)
+        return
+    d.initialize_attn_backend(kv_cfg, BLOCK)
+    assert d._ascend_cache_bound and d._ascend.draft_cache[2].data_ptr() == bound[2].data_ptr()
