@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .manifest import covers
-from .shims import Missing, bound_kv_cache, draft_kv_cache_parts
+from .shims import Missing, bound_kv_cache, draft_kv_cache_parts, squeeze_head_axis
 
 #: where vLLM's ``Indexer`` registers its key cache, after the attention module's prefix
 INDEXER_CACHE_SUFFIX = ".indexer.k_cache"
@@ -55,9 +55,9 @@ def dsa_cache_parts(context: dict[str, Any], layer_name: str, widths: tuple[int,
         return None, [Missing(f"static_forward_context[{layer_name!r}].kv_cache", f"one latent tensor "
                               f"{tuple(latent.shape)} ({latent.dtype}): vllm-ascend's SFA binds nope and rope apart; "
                               "a packed int8 latent (sparse C8) is not read by ours", _WHERE)]
-    flat = keys.squeeze(-2) if keys.dim() == 4 and keys.shape[-2] == 1 else keys
+    flat = squeeze_head_axis(keys, block_size)
     nope = latent[0]
-    if flat.dim() != 3 or flat.shape[1:] != (block_size, index_width) or flat.shape[0] != nope.shape[0] \
+    if flat is None or flat.shape[1:] != (block_size, index_width) or flat.shape[0] != nope.shape[0] \
             or flat.dtype != nope.dtype:
         return None, [Missing(where, f"indexer keys {tuple(keys.shape)} {keys.dtype}; ours reads "
                                      f"[{nope.shape[0]}, {block_size}, 1, {index_width}] {nope.dtype} (the latent's "

@@ -306,7 +306,7 @@ def probe_runner(runner: Any) -> list[Missing]:
     return missing
 
 
-def _squeeze_head_axis(t: torch.Tensor, block_size: int) -> torch.Tensor | None:
+def squeeze_head_axis(t: torch.Tensor, block_size: int) -> torch.Tensor | None:
     """``[N, block, W]`` from ``[N, block, W]``, ``[N, 1, block, W]`` (vLLM's 4-D binding) or ``[N, block, 1, W]``
     (vllm-ascend's nope / rope caches); None for any other shape."""
     if t.dim() == 3 and t.shape[1] == block_size:
@@ -330,12 +330,12 @@ def draft_kv_cache_parts(cache: torch.Tensor | tuple[torch.Tensor, ...] | None, 
                               "CompilationConfig.static_forward_context")]
     c, r = widths
     if isinstance(cache, torch.Tensor):
-        fused = _squeeze_head_axis(cache, block_size)
+        fused = squeeze_head_axis(cache, block_size)
         if fused is not None and fused.shape[-1] == c + r:
             return fused, []
         shape, want = tuple(cache.shape), f"[num_blocks, {block_size}, {c + r}]"
     else:
-        pair = tuple(_squeeze_head_axis(t, block_size) for t in cache)
+        pair = tuple(squeeze_head_axis(t, block_size) for t in cache)
         if len(pair) == 2 and None not in pair and (pair[0].shape[-1], pair[1].shape[-1]) == (c, r) \
                 and pair[0].shape[0] == pair[1].shape[0]:
             return (pair[0], pair[1]), []
