@@ -138,7 +138,7 @@ class Decode:
         cam = type(cam)(**{**cam.__dict__, "slot_mapping": torch.repeat_interleave(table[:, 0].long(), widths)
                            * BLOCK + self.pos})
         try:
-            if hasattr(d, "set_attn"):  # vllm-ascend's V2 runner: its propose(input_batch, ...) positionally
+            if d.ascend_stats.runner == "v2":  # vllm-ascend's V2 runner: its propose(input_batch, ...) positionally
                 qsl = torch.tensor(self.qsl)
                 batch = types.SimpleNamespace(
                     num_reqs=self.rows, num_scheduled_tokens=widths.numpy(), query_start_loc=qsl,
