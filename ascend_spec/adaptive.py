@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 
 # Each constant's reason and the runs that set it: docs/performance.md, "Tuned constants".
 # Explorations: every EXPLORE_EVERY steps (while K = 0 runs, EXPLORE_ROW_STEPS × bucket at most), EXPLORE_STEPS
-# steps at another K; a lower K trailing by FAR_EXPLORE_GAP (a higher one: even at full acceptance) only one lap in
-# FAR_EXPLORE_LAPS; changes of K they cause stay within EXPLORE_SHARE of the run.
+# steps at another K; a lower K trailing by FAR_EXPLORE_GAP only one lap in FAR_EXPLORE_LAPS; a higher K trailing
+# so even at full acceptance only as often as keeps what its steps cost beyond the running K's within
+# FAR_EXPLORE_SHARE of the run; changes of K they cause stay within EXPLORE_SHARE of the run.
 EXPLORE_EVERY = 64
 EXPLORE_ROW_STEPS = 16
 EXPLORE_STEPS = 2
 FAR_EXPLORE_GAP = 0.15
 FAR_EXPLORE_LAPS = 4
+FAR_EXPLORE_SHARE = 0.01
 EXPLORE_SHARE = 0.05
 # Figures: a steady step weighs COST_SMOOTHING in every K's; an explored K's n-th step 1/n down to
 # EXPLORE_SMOOTHING; a step counts at most OBSERVE_CLIP × its K's cost (one stall must not move them far).
@@ -58,6 +60,14 @@ def explore_every(bucket: int, running: int, switch_steps: float = 0.0) -> int:
     """Steps between explorations: enough to keep an exploration's two changes of K within ``EXPLORE_SHARE``."""
     every = EXPLORE_EVERY if running else min(EXPLORE_EVERY, EXPLORE_ROW_STEPS * bucket)
     return max(every, math.ceil(EXPLORE_STEPS * switch_steps / EXPLORE_SHARE))
+
+
+def far_explore_every(total: dict[int, float], running: int, k: int, switch_steps: float = 0.0) -> int:
+    """Steps between explorations of a higher K ``k`` that trails ``running`` far even at full acceptance: what the
+    explorations of every K above ``running`` cost beyond the running K's steps (their own, and two changes of K
+    each) within ``FAR_EXPLORE_SHARE``, this K's share of it the same as each other's."""
+    extra = EXPLORE_STEPS * max(0.0, total[k] / total[running] - 1) + 2 * switch_steps
+    return math.ceil(extra * sum(1 for j in total if j > running) / FAR_EXPLORE_SHARE)
 
 
 def expected_tokens_per_step(acceptance: list[float], k: int) -> float:
@@ -127,6 +137,10 @@ class AdaptiveK:
     #: per bucket under a trial: the K it interrupted, and the steps left
     _trial: dict[int, tuple[int, int]] = field(default_factory=dict)
     _since_trial: dict[int, int] = field(default_factory=dict)
+    #: steps each bucket asked for a K, and per (bucket, K) the step a far higher K was last explored (or first
+    #: found far)
+    _steps: dict[int, int] = field(default_factory=dict)
+    _far_explored: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def restart(self) -> None:
         """Forget each bucket's choice and any trial under way; the step costs stay."""
@@ -169,6 +183,7 @@ class AdaptiveK:
         if not costs:
             return self.k_max
         self._exploring[bucket] = None
+        self._steps[bucket] = self._steps.get(bucket, 0) + 1
         if bucket in self._trial:
             back, left = self._trial[bucket]
             if left:
@@ -220,20 +235,28 @@ class AdaptiveK:
 
     def _explored(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                   in_step: float) -> int | None:
-        """The K this exploration window runs, or None: a far-trailing lower K off its lap's turn."""
+        """The K this exploration window runs, or None: a far-trailing K off its turn."""
         others = [j for j in sorted(total) if j != running and j not in self.pending]
         if not others:
             return None
         turn = self._explorations.get(bucket, 0)
         k = others[turn % len(others)]
-        if turn // len(others) % FAR_EXPLORE_LAPS == 0:
-            return k
         rate = tokens_per_second(total, acceptance, running, bucket, in_step)
         if k > running:
             # A higher K is explored for the deep positions' acceptance, which only it verifies: it keeps every turn
-            # unless it would trail far even with every draft accepted (a verify costing several decode steps).
+            # unless it would trail far even with every draft accepted (a verify costing several decode steps);
+            # then no acceptance makes it pay, and only a change of costs could: checked at a bounded price.
             best = tokens_per_second(total, [1.0] * len(acceptance), k, bucket, in_step=0.0)
-            return k if best >= (1 - FAR_EXPLORE_GAP) * rate else None
+            if best >= (1 - FAR_EXPLORE_GAP) * rate:
+                return k
+            now = self._steps.get(bucket, 0)
+            last = self._far_explored.setdefault((bucket, k), now)
+            if now - last < far_explore_every(total, running, k, self.switch_steps(bucket, running)):
+                return None
+            self._far_explored[(bucket, k)] = now
+            return k
+        if turn // len(others) % FAR_EXPLORE_LAPS == 0:
+            return k
         return k if tokens_per_second(total, acceptance, k, bucket, in_step) >= (1 - FAR_EXPLORE_GAP) * rate else None
 
     def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],

@@ -57,7 +57,7 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 - ``far_k_every_lap``: a K trailing the running one far is explored on every turn. Fails
   ``test_fused_step.py::test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps`` and
-  ``test_fused_step.py::test_a_higher_k_that_would_trail_far_with_every_draft_accepted_is_explored_one_lap_in_far_explore_laps``.
+  ``test_fused_step.py::test_a_higher_k_that_would_trail_far_with_every_draft_accepted_costs_at_most_far_explore_share``.
 - ``takeover_on_a_steady_figure``: a K back on a figure its own steady steps set corrects it alone, as one priced
   by explorations does. Fails
   ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
