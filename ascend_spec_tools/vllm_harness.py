@@ -199,12 +199,27 @@ UNMEND_ENV = "ASCEND_SPEC_HARNESS_UNMEND_CPU_SAMPLER"
 #: set (by the suite's planted defect ``k0_writes_late``): our drafter writes held K = 0 cache entries only when
 #: their buffer fills or the batch changes, not before the next draft reads the cache
 K0_WRITES_LATE_ENV = "ASCEND_SPEC_HARNESS_K0_WRITES_LATE"
+K0_LEAN_WRONG_TOKEN_ENV = "ASCEND_SPEC_HARNESS_K0_LEAN_WRONG_TOKEN"
 
 
 def _k0_writes_late() -> None:
     from ascend_spec.compat.draft_core import DraftCoreMixin
 
     DraftCoreMixin._flush_k0 = lambda self: None
+
+
+def _k0_lean_wrong_token() -> None:
+    import torch
+
+    from ascend_spec.compat.drafter import AscendSpecMtpMixin
+
+    held = AscendSpecMtpMixin._hold_lean_k0
+
+    def hold(self, next_token_ids, positions, hidden, common_attn_metadata):
+        # the defect: the step's draft cache entries held with a token other than the one sampled
+        return held(self, torch.zeros_like(next_token_ids), positions, hidden, common_attn_metadata)
+
+    AscendSpecMtpMixin._hold_lean_k0 = hold
 
 
 def _client_params(kw: dict[str, Any]):
@@ -579,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
     text = sys.stdin.read() if args.configs == "-" else Path(args.configs).read_text()
     if os.environ.get(K0_WRITES_LATE_ENV):
         _k0_writes_late()
+    if os.environ.get(K0_LEAN_WRONG_TOKEN_ENV):
+        _k0_lean_wrong_token()
     if args.dp_size:
         (cfg,) = json.loads(text)
         _install_force_async()

@@ -230,6 +230,8 @@ class AscendSpecNpuMixin(AscendNpuContextMixin, AscendSpecMtpMixin):
     _ascend_kv_layout = "pair"
     #: a DSA draft layer: its SFA cache ``(k_nope, k_pe, indexer_k)`` at block 128, keys in the model dtype
     _sparse_cache_readable = True
+    #: vllm-ascend's runners run their own step (its NPU sampler, its draft hand-over)
+    _lean_k0_runner = False
 
     def _probe_api(self) -> list[Missing]:
         return probe_ascend_proposer_api(self.vllm_base)

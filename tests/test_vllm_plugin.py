@@ -366,6 +366,8 @@ def test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours(runs):
     # K = 0 decode steps hold their MTP cache writes and write them in batches, before any draft reads the cache:
     # acceptance is vLLM's drafter's, which runs its MTP layer at every K = 0 step
     assert d["k0_held_steps"] > d["k0_flushes"] > 0, d
+    # a step that verifies no draft and drafts none runs as a plain decode step (compat.lean_k0)
+    assert d["lean_k0_step"] and 0 < d["k0_lean_steps"] <= d["k0_held_steps"], d
     a, b = r["metrics"], theirs["metrics"]
     assert b["spec_decode_num_accepted_tokens"] > 0, b
     assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
