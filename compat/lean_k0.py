@@ -29,11 +29,15 @@ def install_lean_k0_step(runner: Any, hold: Hold) -> bool:
     per_step_k = "num_spec_tokens_to_schedule" in getattr(SchedulerOutput, "__dataclass_fields__", {})
     # a model that picks the draft's hidden states itself (DeepSeek-V4's hook, by name on the live model)
     own_hidden = hasattr(runner.get_model(), "get_mtp_target_hidden_states")  # manifest: ignore (a model's hook)
-    if not own or not per_step_k or not hasattr(runner, "discard_request_mask") \
+    # the parameters read by name, as the runner's caller passes them (positionally)
+    signature = inspect.signature(GPUModelRunner.propose_draft_token_ids)
+    named = {"scheduler_output", "sampled_token_ids", "hidden_states", "spec_decode_metadata", "common_attn_metadata"}
+    if not own or not per_step_k or not named <= set(signature.parameters) \
+            or not hasattr(runner, "discard_request_mask") \
             or getattr(runner, "use_aux_hidden_state_outputs", False) or own_hidden:
         return False
     sample, propose = runner._sample, runner.propose_draft_token_ids
-    signature = inspect.signature(propose)
+    at = {name: i for i, name in enumerate(list(signature.parameters)[1:]) if name in named}  # after self
     ones = torch.ones(runner.max_num_reqs, dtype=torch.int32, device=runner.device)
 
     def _sample(logits: torch.Tensor | None, spec_decode_metadata: Any) -> Any:
@@ -44,9 +48,10 @@ def install_lean_k0_step(runner: Any, hold: Hold) -> bool:
         return sample(logits, spec_decode_metadata)
 
     def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
-        call = signature.bind(*args, **kwargs).arguments
-        scheduler_output = call["scheduler_output"]
-        spec_decode_metadata = call["spec_decode_metadata"]
+        def arg(name: str) -> Any:  # where the caller put it (a signature bind costs more than the step saves)
+            return args[at[name]] if at[name] < len(args) else kwargs[name]
+
+        scheduler_output, spec_decode_metadata = arg("scheduler_output"), arg("spec_decode_metadata")
         b = runner.input_batch.num_reqs
         # Host facts only: no draft verified, none to schedule, one token a row and none discarded (a prompt's
         # partial chunk), so each row's one sampled token is its next token
@@ -54,9 +59,8 @@ def install_lean_k0_step(runner: Any, hold: Hold) -> bool:
                 or scheduler_output.num_spec_tokens_to_schedule or scheduler_output.total_num_scheduled_tokens != b
                 or bool(host_tensor(runner.discard_request_mask)[:b].any())):
             return propose(*args, **kwargs)
-        next_token_ids = call["sampled_token_ids"][:b, 0]
-        drafts = hold(next_token_ids, runner._get_positions(b), call["hidden_states"][:b],
-                      call["common_attn_metadata"])
+        next_token_ids = arg("sampled_token_ids")[:b, 0]
+        drafts = hold(next_token_ids, runner._get_positions(b), arg("hidden_states")[:b], arg("common_attn_metadata"))
         if drafts is None:
             return propose(*args, **kwargs)
         # what the runner's own path hands on: every row's one token valid (async scheduling's next inputs)
