@@ -147,6 +147,14 @@ class AdaptiveK:
         self.chosen.clear()
         self._trial.clear()
 
+    def resume(self, bucket: int, k: int) -> None:
+        """Start ``bucket`` on K = ``k``, the K an earlier run ran most there (a start from its learnings), unless
+        the bucket chose already: its figure counts as set by steady steps, so another K takes over as from a
+        running K (a drafting K priced on explorations runs a trial first) instead of on figures alone."""
+        if bucket not in self.chosen and k not in self.pending:
+            self.chosen[bucket] = k
+            self._steady.setdefault(bucket, set()).add(k)
+
     def between(self, bucket: int, k: int) -> float:
         """Expected seconds between steps at K = ``k``: its average, drawn towards the bucket's (``BETWEEN_PRIOR_STEPS``)."""
         sums, steps = self.between_seconds.get(bucket, {}), self.between_steps.get(bucket, {})

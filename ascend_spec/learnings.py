@@ -106,6 +106,10 @@ class Learnings:
         for bucket, warm in costs.step_seconds.items():
             if self.step_seconds.get(bucket):
                 costs.step_seconds[bucket] = _blend(self.step_seconds[bucket], warm)
+        if acceptance:  # a start: each bucket resumes the K the earlier run ran most (ties: the smaller K)
+            for bucket, ran in self.steps.items():
+                if ran:
+                    costs.resume(bucket, max(sorted(ran), key=ran.__getitem__))
 
     def _seed_acceptance(self, policy: KPolicy) -> None:
         keep = min(1.0, _KEEP_DRAFTS / self.drafts) if self.drafts else 0.0

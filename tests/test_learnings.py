@@ -112,6 +112,36 @@ def test_warm_up_fills_in_only_what_the_learned_figures_lack() -> None:
     assert Learnings.from_policy(policy).step_seconds == {4: {0: 0.02, 2: 0.03}}  # interpolated ones are not kept
 
 
+def test_a_start_resumes_the_earlier_runs_k_then_trials_another() -> None:
+    """An earlier run settled on K = 1 (most of its steps); K = 2's figure came from its explorations and reads a
+    little better than K = 1's. A start from those learnings runs K = 1, and K = 2 takes over only after a trial
+    of its own steps (on figures alone it ran K = 2 for most of a run where K = 1 was best, 0.965x the best)."""
+    from ascend_spec import adaptive
+
+    learned = Learnings(k_max=2, offered=[1000, 600], accepted=[800, 420],
+                        step_seconds={8: {0: 0.010, 1: 0.0120, 2: 0.0125}},
+                        between_seconds={8: {0: 0.001, 1: 0.001, 2: 0.001}}, steps={8: {0: 4, 1: 500, 2: 12}},
+                        learning_steps=64)
+    policy = KPolicy(2, adaptive=True, batch_sizes=(8,))
+    policy.step_seconds[8] = {0: 0.01, 1: 0.012, 2: 0.0125}
+    learned.seed(policy)
+    assert policy.costs.chosen == {8: 1}
+    rates = policy.acceptance.rates()
+    total = {k: c + policy.costs.between(8, k) for k, c in policy.step_seconds[8].items()}
+    assert adaptive.choose_k(total, rates, None, 8) == 2  # on figures alone K = 2 would start
+    true = {0: 0.010, 1: 0.0120, 2: 0.0165}  # K = 2's steps cost more than its explorations showed
+    ks = []
+    for _ in range(3 * adaptive.TRIAL_STEPS):
+        ks.append(policy.costs.k_for(8, rates))
+        policy.costs.observe(8, ks[-1], true[ks[-1]], switched=len(ks) > 1 and ks[-1] != ks[-2])
+    assert ks[: adaptive.TRIAL_STEPS] == [2] * adaptive.TRIAL_STEPS  # a trial ...
+    assert set(ks[adaptive.TRIAL_STEPS:]) == {1} and policy.costs.chosen[8] == 1  # ... lost: the incumbent runs
+    # a later warm-up's seed (costs only) leaves the run's own choice alone
+    policy.costs.chosen[8] = 2
+    learned.seed(policy, acceptance=False)
+    assert policy.costs.chosen[8] == 2
+
+
 def test_an_earlier_entry_is_merged_with_its_counts_capped() -> None:
     now = Learnings(2, [100, 50], [50, 30], {1: {0: 0.01, 2: 0.02}}, {1: {2: 0.004}}, {1: {2: 100}}, 10)
     merged = now.merge(sample())
