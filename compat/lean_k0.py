@@ -53,9 +53,9 @@ def install_lean_k0_step(runner: Any, hold: Hold) -> bool:
 
         scheduler_output, spec_decode_metadata = arg("scheduler_output"), arg("spec_decode_metadata")
         b = runner.input_batch.num_reqs
-        # Host facts only: no draft verified, none to schedule, one token a row and none discarded (a prompt's
-        # partial chunk), so each row's one sampled token is its next token
-        if (spec_decode_metadata is None or any(spec_decode_metadata.num_draft_tokens)
+        # Host facts only: no draft verified (up to 0.31 the runner passes no metadata then), none to schedule, one
+        # token a row and none discarded (a prompt's partial chunk), so each row's one sampled token is its next
+        if ((spec_decode_metadata is not None and any(spec_decode_metadata.num_draft_tokens))
                 or scheduler_output.num_spec_tokens_to_schedule or scheduler_output.total_num_scheduled_tokens != b
                 or bool(host_tensor(runner.discard_request_mask)[:b].any())):
             return propose(*args, **kwargs)
