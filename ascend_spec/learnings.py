@@ -100,16 +100,16 @@ class Learnings:
         if policy.k_max != self.k_max:
             raise ValueError(f"Learnings.seed: k_max={self.k_max} into a policy of k_max={policy.k_max}; allowed: "
                              "the same K_max (the key holds it)")
+        costs = policy.costs
         if acceptance:
             self._seed_acceptance(policy)
-        costs = policy.costs
-        for bucket, warm in costs.step_seconds.items():
-            if self.step_seconds.get(bucket):
-                costs.step_seconds[bucket] = _blend(self.step_seconds[bucket], warm)
-        if acceptance:  # a start: each bucket resumes the K the earlier run ran most (ties: the smaller K)
+            # a start: each bucket resumes the K the earlier run ran most (ties: the smaller K)
             for bucket, ran in self.steps.items():
                 if ran:
                     costs.resume(bucket, max(sorted(ran), key=ran.__getitem__))
+        for bucket, warm in costs.step_seconds.items():
+            if self.step_seconds.get(bucket):
+                costs.step_seconds[bucket] = _blend(self.step_seconds[bucket], warm)
 
     def _seed_acceptance(self, policy: KPolicy) -> None:
         keep = min(1.0, _KEEP_DRAFTS / self.drafts) if self.drafts else 0.0

@@ -132,7 +132,7 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                       common_attn_metadata: Any) -> torch.Tensor | None:
         """The runner's lean K = 0 step (:mod:`.lean_k0`): this step's draft cache entries held, ``[B, 0]`` drafts;
         None where ours would not draft the step (the runner's own path asks then)."""
-        if positions.dim() != 1 or self._fallback_reason(0, positions, None) is not None:
+        if self._fallback_reason(0, positions, None) is not None:  # mrope positions among its reasons
             return None
         t0 = time.perf_counter()
         b = next_token_ids.shape[0]
