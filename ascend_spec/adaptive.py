@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 # steps at another K; a lower K trailing by FAR_EXPLORE_GAP only one lap in FAR_EXPLORE_LAPS; a higher K trailing
 # so even at full acceptance only as often as keeps what its steps cost beyond the running K's within
 # FAR_EXPLORE_SHARE of the run; changes of K they cause stay within EXPLORE_SHARE of the run.
-EXPLORE_EVERY = 64
+EXPLORE_EVERY = 128
 EXPLORE_ROW_STEPS = 16
 EXPLORE_STEPS = 2
 FAR_EXPLORE_GAP = 0.15
@@ -28,7 +28,7 @@ OBSERVE_CLIP = 1.5
 TAKEOVER_STEPS = 16
 TRIAL_GAP = 0.10
 TRIAL_STEPS = TAKEOVER_STEPS
-TRIAL_EVERY = 512
+TRIAL_EVERY = 1024
 # Margins: another K must yield SWITCH_MARGIN more per second (K = 0: STOP_MARGIN / bucket, at least that), plus
 # a change's cost (its figure weighted SWITCH_SMOOTHING) repaid over SWITCH_HORIZON steps.
 SWITCH_MARGIN = 0.05
@@ -141,6 +141,8 @@ class AdaptiveK:
     #: found far)
     _steps: dict[int, int] = field(default_factory=dict)
     _far_explored: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: per (bucket, K) the step its last trial began
+    _tried_at: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def restart(self) -> None:
         """Forget each bucket's choice and any trial under way; the step costs stay."""
@@ -212,7 +214,9 @@ class AdaptiveK:
             if k in self._steady.get(bucket, ()):  # back on a figure its own steady steps set: no correction
                 self._taking_over[bucket] = 0
             elif k and current:  # a drafting K priced by warm-up or explorations: a trial, then beat ``current``
-                return self._start_trial(bucket, current, k)
+                if self._steps[bucket] - self._tried_at.get((bucket, k), -TRIAL_EVERY) >= TRIAL_EVERY:
+                    return self._start_trial(bucket, current, k)
+                k = self.chosen[bucket] = current  # its last trial is recent: explorations alone do not repeat it
             else:
                 self._taking_over[bucket] = TAKEOVER_STEPS
         every = explore_every(bucket, k, self.switch_steps(bucket, k))
@@ -237,6 +241,7 @@ class AdaptiveK:
     def _start_trial(self, bucket: int, back: int, tried: int) -> int:
         """Run ``tried`` for ``TRIAL_STEPS`` steps in ``bucket``, correcting its own figure, then ``back`` again."""
         self._trial[bucket] = (back, TRIAL_STEPS - 1)
+        self._tried_at[(bucket, tried)] = self._steps[bucket]
         self._taking_over[bucket] = TRIAL_STEPS - 1  # its first step is a change's: it moves nothing
         self.chosen[bucket] = tried
         return tried

@@ -61,6 +61,9 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``takeover_on_a_steady_figure``: a K back on a figure its own steady steps set corrects it alone, as one priced
   by explorations does. Fails
   ``test_fused_step.py::test_a_k_back_on_a_figure_its_own_steady_steps_set_scales_every_figure``.
+- ``trial_after_every_exploration``: a drafting K priced cheap by explorations runs a trial whenever it reads
+  better, however lately it ran one. Fails
+  ``test_fused_step.py::test_a_k_whose_trial_lost_is_not_tried_again_on_explorations_within_trial_every``.
 - ``no_trials``: no K near the running one runs a trial. Fails
   ``test_fused_step.py::test_a_near_k_priced_by_explorations_runs_a_trial_of_its_own_steps`` (the near cases).
 - ``trial_of_plain_decoding``: K = 0 runs trials as a drafting K does. Fails the same test's far-and-plain-near case.
@@ -381,6 +384,19 @@ def takeover_on_a_steady_figure() -> None:
         self._steady.clear()  # the defect: no K's figure counts as set by its own steady steps
 
     AdaptiveK.observe = observe
+
+
+@_plant
+def trial_after_every_exploration() -> None:
+    from ascend_spec.adaptive import AdaptiveK
+
+    original = AdaptiveK.k_for
+
+    def k_for(self, *args, **kwargs) -> int:
+        self._tried_at.clear()  # the defect: no K's last trial is remembered
+        return original(self, *args, **kwargs)
+
+    AdaptiveK.k_for = k_for
 
 
 @_plant
