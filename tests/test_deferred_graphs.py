@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from ascend_spec.adaptive import LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, interpolated_costs
+from ascend_spec.adaptive import EXPLORE_EVERY, EXPLORE_STEPS, LEARN_DRAFTS, LEARN_STEPS, AdaptiveK, interpolated_costs
 from ascend_spec.cli import build_parser, engine_config_from_args
 from ascend_spec.config import ConfigError, EngineConfig, GraphModeConfig
 from ascend_spec import adaptive, k_policy
@@ -31,8 +31,10 @@ def test_interpolated_k_is_never_explored_and_sits_on_the_line(monkeypatch: pyte
     monkeypatch.setattr(adaptive, "FAR_EXPLORE_GAP", 1.0)  # every measured K's turn kept, however far it trails
     assert interpolated_costs({0: 1.0, 3: 2.5}, [1, 2]) == pytest.approx({1: 1.5, 2: 2.0})
     policy = AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.45, 2: 1.9}}, pending={1})
-    picks = [policy.k_for(8, [0.9, 0.9]) for _ in range(400)]
-    assert set(picks) == {0, 2} and picks.count(0) == 400 // 64 * 2  # explorations: the measured K values only
+    steps = 3 * EXPLORE_EVERY + 16
+    picks = [policy.k_for(8, [0.9, 0.9]) for _ in range(steps)]
+    # explorations: the measured K values only
+    assert set(picks) == {0, 2} and picks.count(0) == steps // EXPLORE_EVERY * EXPLORE_STEPS
     # an interpolated K that looks best is picked (the runner then compiles and times it)
     assert AdaptiveK(2, step_seconds={8: {0: 1.0, 1: 1.45, 2: 1.9}}, pending={1}).k_for(8, [0.6, 0.5]) == 1
 
