@@ -214,7 +214,7 @@ class AdaptiveK:
             if k in self._steady.get(bucket, ()):  # back on a figure its own steady steps set: no correction
                 self._taking_over[bucket] = 0
             elif k and current:  # a drafting K priced by warm-up or explorations: a trial, then beat ``current``
-                if self._steps[bucket] - self._tried_at.get((bucket, k), -TRIAL_EVERY) >= TRIAL_EVERY:
+                if self._trial_due(bucket, k):
                     return self._start_trial(bucket, current, k)
                 k = self.chosen[bucket] = current  # its last trial is recent: explorations alone do not repeat it
             else:
@@ -237,6 +237,10 @@ class AdaptiveK:
                 self._explorations[bucket] = self._explorations.get(bucket, 0) + 1
                 del self._window[bucket]
         return k
+
+    def _trial_due(self, bucket: int, k: int) -> bool:
+        """Whether K = ``k`` may run a trial in ``bucket``: its last one began ``TRIAL_EVERY`` steps ago or more."""
+        return self._steps[bucket] - self._tried_at.get((bucket, k), -TRIAL_EVERY) >= TRIAL_EVERY
 
     def _start_trial(self, bucket: int, back: int, tried: int) -> int:
         """Run ``tried`` for ``TRIAL_STEPS`` steps in ``bucket``, correcting its own figure, then ``back`` again."""
@@ -274,10 +278,11 @@ class AdaptiveK:
 
     def _tried(self, bucket: int, running: int, total: dict[int, float], acceptance: list[float],
                in_step: float) -> int | None:
-        """The best drafting K within ``TRIAL_GAP`` of ``running`` not priced by its own steady steps, or None."""
+        """The best drafting K within ``TRIAL_GAP`` of ``running`` not priced by its own steady steps and whose trial is
+        due (:meth:`_trial_due`), or None."""
         steady = self._steady.get(bucket, set())
         rate = {j: tokens_per_second(total, acceptance, j, bucket, in_step) for j in total
-                if j == running or (j and j not in steady and j not in self.pending)}
+                if j == running or (j and j not in steady and j not in self.pending and self._trial_due(bucket, j))}
         near = [j for j in rate if j != running and rate[j] >= (1 - TRIAL_GAP) * rate[running]]
         return max(near, key=lambda j: (rate[j], -j)) if near else None
 

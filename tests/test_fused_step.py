@@ -424,11 +424,12 @@ def test_a_k_whose_trial_lost_is_not_tried_again_on_explorations_within_trial_ev
     """Lone explored steps can price a K cheap again right after its trial set its figure (Xeon, batch 1: K = 3
     explored at 6.6 ms, 7.4 in a run of its own). A K that ran a trial runs the next one TRIAL_EVERY steps later at
     the soonest, however its explorations price it meanwhile (traced: trials of K = 3 at steps 321 and 417 of a
-    630-step run, 0.95 of fixed K = 1)."""
+    630-step run, 0.95 of fixed K = 1), whether a takeover or the periodic look for a near K would start it."""
     acceptance = [0.8, 0.7, 0.7]
     true = {0: 1.0, 1: 1.3, 2: 2.1, 3: 2.0}  # K = 3 within 1% of K = 1 per second on its own steps; K = 2 far
     explored_k3 = 1.6  # 24% over K = 1 per second: past the margin
-    policy = AdaptiveK(3, step_seconds={1: {**true, 3: explored_k3}}, chosen={1: 1})
+    # the periodic look for a near K comes halfway through, within K = 3's wait
+    policy = AdaptiveK(3, step_seconds={1: {**true, 3: explored_k3}}, chosen={1: 1}, _since_trial={1: TRIAL_EVERY // 2})
     ks, previous, in_a_row = [], 1, 0
     for _ in range(TRIAL_EVERY):
         k = policy.k_for(1, acceptance)
