@@ -7,11 +7,12 @@ engine with its compile on.
     python tools/bench_vllm_schedule.py --batches 8 --rounds 3 --json out.json
     python tools/bench_vllm_schedule.py --checkpoint fixture   # the 2-layer test fixture: overheads weigh 5x more
 
-One harness process runs every engine, the contenders of a batch size one after the other in an order that rotates
-from round to round. Each engine generates ``--repeat`` times; the first ``--warmup-calls`` calls are not timed (our
-schedule sweeps and learns there, as it does in a server's first minutes; ``--learned``, the default, leaves the
-learnings it saved in the compile cache for the next engine, as a restarted server finds them). Prints tokens/s
-(medians over rounds of each engine's median call) and ours ÷ no-spec, ours ÷ the best of vLLM's drafter.
+Every engine runs in a harness process of its own, as a server runs it; the contenders of a batch size take turns
+in an order that rotates from round to round. Each engine generates ``--repeat`` times; the first
+``--warmup-calls`` calls are not timed (our schedule sweeps and learns there, as it does in a server's first
+minutes; the learnings it saves in the compile cache at shutdown start the next engine of ours, as a restarted
+server finds them). Prints tokens/s (medians over rounds of each engine's median call) and ours ÷ no-spec, ours ÷
+the best of vLLM's drafter.
 """
 from __future__ import annotations
 
@@ -44,6 +45,20 @@ def contenders(batch: int, k_max: int, vllm_ks: list[int], max_tokens: int, repe
     return runs
 
 
+def serve_alone(cfg: dict, checkpoint: str, progress: str) -> dict:
+    """One engine in a process of its own, as a server runs it. Engines started one after another in one process
+    share its OpenMP threads and what vLLM sets for the whole process (its CPU worker replaces
+    ``torch.set_num_threads`` for the rest of it): a contender's figure would depend on who ran before it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg_file, out = Path(tmp) / "configs.json", Path(tmp) / "results.json"
+        cfg_file.write_text(json.dumps([cfg]))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        print(f"{progress} {cfg['name']}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg_file), "--out", str(out),
+                        "--checkpoint", checkpoint], cwd=REPO, env=env, check=True)
+        return json.loads(out.read_text())[0]
+
+
 def timed(result: dict, warmup_calls: int) -> float:
     """tokens/s of the engine: the median of its calls after the warm-up ones."""
     if "error" in result:
@@ -73,14 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             shift = r % len(runs)
             configs += [{**c, "name": f"{c['name']}#{r}"} for c in runs[shift:] + runs[:shift]]
     checkpoint = {"bundled": BUNDLED_CHECKPOINT, "fixture": CHECKPOINT}.get(args.checkpoint, args.checkpoint)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg, out = Path(tmp) / "configs.json", Path(tmp) / "results.json"
-        cfg.write_text(json.dumps(configs))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        subprocess.run([sys.executable, "-m", "ascend_spec_tools.vllm_harness", str(cfg), "--out", str(out),
-                        "--checkpoint", checkpoint],
-                       cwd=REPO, env=env, check=True)
-        results = json.loads(out.read_text())
+    results = [serve_alone(cfg, checkpoint, f"[{i + 1}/{len(configs)}]") for i, cfg in enumerate(configs)]
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     by_name: dict[str, list[float]] = {}
