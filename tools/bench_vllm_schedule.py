@@ -48,7 +48,7 @@ def contenders(batch: int, k_max: int, vllm_ks: list[int], max_tokens: int, repe
 def serve_alone(cfg: dict, checkpoint: str, progress: str) -> dict:
     """One engine in a process of its own, as a server runs it. Engines started one after another in one process
     share its OpenMP threads and what vLLM sets for the whole process (its CPU worker replaces
-    ``torch.set_num_threads`` for the rest of it): a contender's figure would depend on who ran before it."""
+    ``torch.set_num_threads`` for the rest of it): a contender's figure could depend on who ran before it."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg_file, out = Path(tmp) / "configs.json", Path(tmp) / "results.json"
         cfg_file.write_text(json.dumps([cfg]))
