@@ -215,9 +215,9 @@ def _k0_lean_wrong_token() -> None:
 
     held = AscendSpecMtpMixin._hold_lean_k0
 
-    def hold(self, next_token_ids, positions, hidden, common_attn_metadata):
+    def hold(self, next_token_ids, *rest):
         # the defect: the step's draft cache entries held with a token other than the one sampled
-        return held(self, torch.zeros_like(next_token_ids), positions, hidden, common_attn_metadata)
+        return held(self, torch.zeros_like(next_token_ids), *rest)
 
     AscendSpecMtpMixin._hold_lean_k0 = hold
 

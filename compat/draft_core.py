@@ -63,8 +63,9 @@ class DrafterStats:
     drafts_by_k: dict[int, int] = field(default_factory=dict)  # our draft calls per K the runner asked for
     k0_held_steps: int = 0  # K = 0 decode steps whose draft cache writes were held (DeferredCacheWrites)
     k0_flushes: int = 0  # ... and the calls that wrote the held ones
-    k0_lean_steps: int = 0  # ... of them, steps the runner ran as plain decode steps (compat.lean_k0)
-    lean_k0_step: bool = False  # the runner's lean K = 0 step is installed
+    k0_lean_steps: int = 0  # ... of them, steps the runner sampled as plain decode steps (compat.lean_k0)
+    k0_plain_steps: int = 0  # ... of those, steps run whole through the runner's non-speculative branches
+    lean_k0_step: str = ""  # the runner's lean K = 0 step installed: "plain" (whole steps), "lean", "" (none)
     decode_eager_calls: int = 0  # steady-state decode batches above the largest bucket (run eagerly)
     own_dummy_runs: int = 0  # the runner's dummy steps (captures, idle data-parallel steps) run as inert drafts here
     dummy_calls: int = 0  # the runner's dummy steps, whichever drafter ran them

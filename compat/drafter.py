@@ -68,7 +68,8 @@ class AscendSpecMtpMixin(DraftCoreMixin):
             self._build_on_stand_in(draft_layer_names(self), kv_cache_config.num_blocks)
             # Under data parallel every rank's step makes the same collectives: no step of one rank is cut short
             if self._lean_k0_runner and self._k0_writes is not None and self.ascend_stats.dp_size == 1:
-                self.ascend_stats.lean_k0_step = install_lean_k0_step(self.runner, self._hold_lean_k0)
+                self.ascend_stats.lean_k0_step = install_lean_k0_step(
+                    self.runner, self._hold_lean_k0, self._takes_lean_k0, draft_layer_names(self)[0])
 
     def dummy_run(self, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
         """The runner's dummy steps: the profile run (before the KV pool is sized, so before ours is built) and
@@ -128,19 +129,24 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                            common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
                            **kwargs))
 
+    def _takes_lean_k0(self, batch: int) -> bool:
+        """Whether :meth:`_hold_lean_k0` holds a K = 0 step of ``batch`` rows."""
+        return self._fallback_reason(0, None, None) is None and self._k0_writes.takes(batch)
+
     def _hold_lean_k0(self, next_token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-                      common_attn_metadata: Any) -> torch.Tensor | None:
+                      slot_mapping: torch.Tensor, plain: bool) -> torch.Tensor | None:
         """The runner's lean K = 0 step (:mod:`.lean_k0`): this step's draft cache entries held, ``[B, 0]`` drafts;
-        None where ours would not draft the step (the runner's own path asks then)."""
+        None where ours would not draft the step (the runner's own path asks then). ``plain``: the runner ran the
+        step through its non-speculative branches."""
         if self._fallback_reason(0, positions, None) is not None:  # mrope positions among its reasons
             return None
         t0 = time.perf_counter()
         b = next_token_ids.shape[0]
-        slots = common_attn_metadata.slot_mapping[:b]
         with self._draft_context(b, 1):  # a change of batch flushes the held writes through the K = 0 chain
-            drafts = self._hold_k0(next_token_ids, positions, hidden, slots, self.runner.input_batch.req_ids)
+            drafts = self._hold_k0(next_token_ids, positions, hidden, slot_mapping, self.runner.input_batch.req_ids)
         if drafts is not None:
             self.ascend_stats.k0_lean_steps += 1
+            self.ascend_stats.k0_plain_steps += plain
             self._count_call(time.perf_counter() - t0, True, None)
         return drafts
 
