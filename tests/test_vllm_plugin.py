@@ -98,6 +98,10 @@ CONFIGS = [
      "ascend": {"k_schedule": "auto"}, **SHORT},
     {"name": "ours_user_schedule", "drafter": "ours", "k": 2, "graph": GRAPH, "spec": USER_SCHEDULE, **SHORT},
     {"name": "vllm_user_schedule", "drafter": "vllm", "k": 2, "spec": USER_SCHEDULE, **SHORT},
+    {"name": "ours_user_schedule_async", "drafter": "ours", "k": 2, "async": True, "graph": GRAPH,
+     "spec": USER_SCHEDULE, **SHORT, "matrix": True},
+    {"name": "vllm_user_schedule_async", "drafter": "vllm", "k": 2, "async": True, "spec": USER_SCHEDULE, **SHORT,
+     "matrix": True},
     {"name": "ours_k1_one_bucket", "drafter": "ours", "k": 1, "graph": {"graph_batch_sizes": [1]}, **SHORT},
     # three compiled draft-graph calls raise after running (injected): under the users' policy those steps rerun
     # eagerly (the suite's own default is strict)
@@ -345,14 +349,30 @@ def test_measured_k_per_batch_size_drafts_every_k_with_ours_and_keeps_no_specs_t
         d = r["drafter"][0]
         assert d["draft_chains"] == [0, 1, 2] and d["fallback_calls"] == 0, (name, d["fallbacks_by_reason"])
         assert set(d["drafts_by_k"]) == {"0", "1", "2"}, (name, d["drafts_by_k"])
-        # async scheduling's next step reads what the speculative path hands on: the lean step, not whole ones
-        assert d["lean_k0_step"] == ("lean" if name.endswith("async") else "plain"), (name, d["lean_k0_step"])
+        # a pure decode step at K = 0 runs whole through the runner's non-speculative branches, sync and async
+        assert d["lean_k0_step"] == "plain" and d["k0_plain_steps"] > 0, (name, d)
         (schedule,) = r["schedule"]
         ran = {key.split(":")[1] for key in schedule["steps"]}
         assert ran == {"0", "1", "2"}, (name, schedule["steps"])
         swept = [costs for costs in schedule["step_seconds"].values() if set(costs) == {"0", "1", "2"}]
         assert swept and all(c > 0 for costs in swept for c in costs.values()), (name, schedule["step_seconds"])
         assert schedule["offered"][0] > 0, schedule
+
+
+@pytest.mark.matrix
+def test_a_k_schedule_the_user_wrote_drafts_like_vllms_under_async(runs):
+    """The user's schedule under async scheduling, the repeat of the sync test below: K = 0 steps run whole through
+    the runner's non-speculative branches, and tokens and counters are vLLM's drafter's on the same schedule."""
+    ref, r, theirs = ok(runs, "none"), ok(runs, "ours_user_schedule_async"), ok(runs, "vllm_user_schedule_async")
+    for run in (r, theirs):
+        assert run["tokens"] == ref["tokens"], first_divergence(ref, run)
+        assert run["async_scheduling"] is True, run["name"]
+    d = r["drafter"][0]
+    assert set(d["drafts_by_k"]) == {"0", "1", "2"} and d["fallback_calls"] == 0, d
+    assert d["lean_k0_step"] == "plain" and 0 < d["k0_plain_steps"] <= d["k0_lean_steps"] <= d["k0_held_steps"], d
+    a, b = r["metrics"], theirs["metrics"]
+    assert b["spec_decode_num_accepted_tokens"] > 0, b
+    assert {c: a[c] for c in COUNTERS} == {c: b[c] for c in COUNTERS}
 
 
 def test_a_k_schedule_the_user_wrote_is_honoured_and_drafted_by_ours(runs):
