@@ -12,8 +12,8 @@ import torch
 from .manifest import covers
 from .shims import host_tensor
 
-#: ``hold(next_token_ids [B], positions [B], hidden [B, D], slot_mapping [B], plain)``: the drafter holds the step's
-#: draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran through
+#: ``hold(next_token_ids [B], positions [B], hidden [B, D], slot_mapping [B], plain)``: the drafter holds the
+#: step's draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran through
 #: the runner's non-speculative branches
 Hold = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], "torch.Tensor | None"]
 #: ``takes(batch)``: whether ``hold`` takes a step of ``batch`` rows
@@ -27,9 +27,10 @@ _OWN_PLAIN = ("execute_model", "sample_tokens")
 def install_lean_k0_step(runner: Any, hold: Hold, takes: Takes, draft_layer: str) -> str:
     """Put the lean K = 0 step on ``runner`` (this instance only). Returns how far it goes: ``"plain"`` (a pure
     decode step at K = 0 runs through the runner's non-speculative branches whole), ``"lean"`` (its sampling and
-    draft hand-over only), or ``""`` where the release or model allows neither: the runner's own methods must be vLLM's V1 ones, with a
-    per-step K (``num_spec_tokens_to_schedule``) and the draft's input the target's last hidden states (no auxiliary
-    layers, no model-chosen ones). ``draft_layer``: the draft attention layer whose slots the held entries take."""
+    draft hand-over only), or ``""`` where the release or model allows neither: the runner's own methods must be
+    vLLM's V1 ones, with a per-step K (``num_spec_tokens_to_schedule``) and the draft's input the target's last
+    hidden states (no auxiliary layers, no model-chosen ones). ``draft_layer``: the draft attention layer whose slots
+    the held entries take."""
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,8", help="comma list of batch sizes (max_num_seqs, and prompts)")
     ap.add_argument("--k-max", type=int, default=3, help="num_speculative_tokens of ours (its schedule's K_max)")
-    ap.add_argument("--vllm-ks", default="0,1,2,3", help="vLLM's drafter at each of these fixed K")
+    ap.add_argument("--vllm-ks", default="0,1,2,3", help="vLLM's drafter at each of these fixed K ('' for none)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5, help="generate calls per engine")
     ap.add_argument("--warmup-calls", type=int, default=2, help="untimed first calls of each engine")
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the raw results here")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    vllm_ks = [int(k) for k in args.vllm_ks.split(",")]
+    vllm_ks = [int(k) for k in args.vllm_ks.split(",") if k.strip()]
     configs = []
     for r in range(args.rounds):
         for batch in batches:
@@ -92,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     by_name: dict[str, list[float]] = {}
+    by_round: dict[tuple[str, str], float] = {}
     schedules: dict[str, list] = {}
     for res in results:
-        name = res["name"].split("#")[0]
+        name, round_ = res["name"].split("#")
         by_name.setdefault(name, []).append(timed(res, args.warmup_calls))
+        by_round[(name, round_)] = by_name[name][-1]
         if res.get("schedule"):
             schedules.setdefault(name, []).append(res["schedule"][0]["steps"])
     print(f"\n{args.checkpoint}: tokens/s, medians of {args.rounds} rounds (calls after the first "
@@ -107,9 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         med = {n: statistics.median(v) for n, v in by_name.items() if n.startswith(f"b{batch}_")}
         none, ours = med[f"b{batch}_none"], med[f"b{batch}_ours_auto"]
         theirs = [med[f"b{batch}_vllm_k{k}"] for k in vllm_ks]
-        best = max(theirs)
+        best = max(theirs, default=0.0)
         print(f"| {batch} | {none:.0f} | " + " | ".join(f"{t:.0f}" for t in theirs)
-              + f" | {ours:.0f} | {ours / none:.2f}× | {ours / best:.2f}× | {ours / max(best, none):.2f}× |")
+              + f" | {ours:.0f} | {ours / none:.2f}× | " + (f"{ours / best:.2f}×" if best else "—")
+              + f" | {ours / max(best, none):.2f}× |")
+    for batch in batches:
+        # each round's contenders ran minutes apart at most: the paired ratio shows the host's drift less
+        paired = [by_round[(f"b{batch}_ours_auto", r)] / by_round[(f"b{batch}_none", r)]
+                  for r in map(str, range(args.rounds))]
+        print(f"batch {batch}, ours ÷ no-spec per round: {', '.join(f'{x:.3f}' for x in paired)}; "
+              f"median {statistics.median(paired):.3f}")
     for name, steps in schedules.items():
         print(f"{name}: steps per bucket:K {steps[-1]}")
     return 0
