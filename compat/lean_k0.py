@@ -13,8 +13,8 @@ from .manifest import covers
 from .shims import host_tensor
 
 #: ``hold(next_token_ids [B], positions [B], hidden [B, D], slot_mapping [B], plain)``: the drafter holds the
-#: step's draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran through
-#: the runner's non-speculative branches
+#: step's draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran
+#: through the runner's non-speculative branches
 Hold = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], "torch.Tensor | None"]
 #: ``takes(batch)``: whether ``hold`` takes a step of ``batch`` rows
 Takes = Callable[[int], bool]
