@@ -119,9 +119,9 @@ COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, dict]:
-    """Over 90 s: nineteen V1 engines, one a subject of its own (async, preemption, the unpadded batch, torchair's
-    shape policy, one bucket, graph faults, a missing API, K per batch size), and the compile of our K = 2, 1 and
-    0 draft graphs."""
+    """Over 90 s: eighteen V1 engines (twenty-three where a matrix test runs), one a subject of its own (async,
+    preemption, the unpadded batch, torchair's shape policy, one bucket, graph faults, a missing API, K per batch
+    size), and the compile of our K = 2, 1 and 0 draft graphs."""
     tmp = tmp_path_factory.mktemp("vllm_runs")
     cfg, out, log = tmp / "configs.json", tmp / "results.json", tmp / "engine.log"
     cfg.write_text(json.dumps(for_tier(request, CONFIGS)).replace("STATS_DIR", str(tmp / "stats")))
