@@ -102,16 +102,16 @@ def main(argv: list[str] | None = None) -> int:
             schedules.setdefault(name, []).append(res["schedule"][0]["steps"])
     print(f"\n{args.checkpoint}: tokens/s, medians of {args.rounds} rounds (calls after the first "
           f"{args.warmup_calls} of each engine)\n")
-    print("| batch | no-spec | " + " | ".join(f"vLLM K={k}" for k in vllm_ks)
-          + " | ours (auto) | ours ÷ no-spec | ours ÷ best vLLM | ours ÷ best of all |")
+    print("| batch | no-spec | " + "".join(f"vLLM K={k} | " for k in vllm_ks)
+          + "ours (auto) | ours ÷ no-spec | ours ÷ best vLLM | ours ÷ best of all |")
     print("|---" * (6 + len(vllm_ks)) + "|")
     for batch in batches:
         med = {n: statistics.median(v) for n, v in by_name.items() if n.startswith(f"b{batch}_")}
         none, ours = med[f"b{batch}_none"], med[f"b{batch}_ours_auto"]
         theirs = [med[f"b{batch}_vllm_k{k}"] for k in vllm_ks]
         best = max(theirs, default=0.0)
-        print(f"| {batch} | {none:.0f} | " + " | ".join(f"{t:.0f}" for t in theirs)
-              + f" | {ours:.0f} | {ours / none:.2f}× | " + (f"{ours / best:.2f}×" if best else "—")
+        print(f"| {batch} | {none:.0f} | " + "".join(f"{t:.0f} | " for t in theirs)
+              + f"{ours:.0f} | {ours / none:.2f}× | " + (f"{ours / best:.2f}×" if best else "—")
               + f" | {ours / max(best, none):.2f}× |")
     for batch in batches:
         # each round's contenders ran minutes apart at most: the paired ratio shows the host's drift less
