@@ -3,7 +3,7 @@ and written many steps at a time, so that a step which does not speculate costs 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Container, Sequence
 
 import torch
 
@@ -25,6 +25,10 @@ class DeferredCacheWrites:
     - :meth:`add` flushes first when the batch's requests (``key``) change, so one flush never holds two writes of
       a slot (a freed block reused within the window), whose order a scatter would not keep.
 
+    Where the caller names the requests still running (``live``), entries held for requests that have all ended
+    (finished, aborted or preempted: a resumed request's prefill writes its entries again) are dropped unwritten:
+    no draft reads them, and their blocks may have a new owner already.
+
     A batch above the chain's largest bucket is not held (:meth:`takes`): it runs eagerly as before.
     """
 
@@ -41,24 +45,26 @@ class DeferredCacheWrites:
         self._rows = 0  # the bucket the held entries fill, 0: nothing held
         self._steps = 0  # columns filled
         self._key: list[str] | None = None
-        self.held_steps = 0  # stats: steps added, flushes that wrote
+        self.held_steps = 0  # stats: steps added, flushes that wrote, held entries dropped (their requests ended)
         self.flushes = 0
+        self.dropped = 0
 
     def takes(self, batch: int) -> bool:
         """Whether a K = 0 decode step of ``batch`` rows can be held (a graph bucket and a width exist)."""
         return self.max_steps > 1 and self.chain.graph.rows_for(batch) is not None
 
     def add(self, next_token_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
-            slot_mapping: torch.Tensor, key: Sequence[str]) -> None:
+            slot_mapping: torch.Tensor, key: Sequence[str], live: Container[str] | None = None) -> None:
         """Hold one K = 0 decode step: ``[B]`` next tokens, positions and slots, ``[B, D]`` target hidden states
-        (copied: the runner reuses its buffers). ``key`` names the batch's requests in row order."""
+        (copied: the runner reuses its buffers). ``key`` names the batch's requests in row order; ``live``: the
+        requests still running (None: unknown)."""
         b = next_token_ids.shape[0]
         rows = self.chain.graph.rows_for(b)
         if rows is None:
             raise ValueError(f"DeferredCacheWrites.add: a batch of {b} rows; allowed: at most "
                              f"{self.chain.graph.max_size} (check takes() first)")
         if self._steps and (rows != self._rows or list(key) != self._key or self._steps == self._capacity(rows)):
-            self.flush()
+            self.flush(live)
         if not self._steps:
             self._rows, self._key = rows, list(key)  # a copy: the runner's list changes in place
         ids, pos, hid, slots = self._buffer(rows, hidden)[:4]
@@ -75,11 +81,17 @@ class DeferredCacheWrites:
         """Steps held and not written yet."""
         return self._steps
 
-    def flush(self) -> None:
-        """Write every held entry into the draft cache (one K = 0 chain call); nothing if none is held."""
+    def flush(self, live: Container[str] | None = None) -> None:
+        """Write every held entry into the draft cache (one K = 0 chain call); nothing if none is held, or if
+        ``live`` (the requests still running) holds none of theirs (then they are dropped)."""
         if not self._steps:
             return
         ids, pos, hid, slots, zeros, table = self._buffers[self._rows]
+        if live is not None and not any(r in live for r in self._key):
+            slots.fill_(-1)
+            self._steps, self._key = 0, None
+            self.dropped += 1
+            return
         rows = self._rows
         # Only slots matter to a K = 0 chain: table, lengths and the sampled index are read by no op of it.
         lens_host = (1,) * rows if self.chain.model.takes_host_lengths else None

@@ -13,7 +13,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Container
 
 import torch
 
@@ -63,6 +63,7 @@ class DrafterStats:
     drafts_by_k: dict[int, int] = field(default_factory=dict)  # our draft calls per K the runner asked for
     k0_held_steps: int = 0  # K = 0 decode steps whose draft cache writes were held (DeferredCacheWrites)
     k0_flushes: int = 0  # ... and the calls that wrote the held ones
+    k0_dropped: int = 0  # ... and the held ones dropped unwritten, their requests all ended
     k0_lean_steps: int = 0  # ... of them, steps the runner sampled as plain decode steps (compat.lean_k0)
     k0_plain_steps: int = 0  # ... of those, steps run whole through the runner's non-speculative branches
     lean_k0_step: str = ""  # the runner's lean K = 0 step installed: "plain" (whole steps), "lean", "" (none)
@@ -397,19 +398,25 @@ class DraftCoreMixin:
         if not self._ascend_cache_bound:
             self._bind_cache()
         with torch.inference_mode():
-            held.add(next_token_ids, positions, hidden, slot_mapping, batch_key)
+            held.add(next_token_ids, positions, hidden, slot_mapping, batch_key, self._live_request_ids())
         st = self.ascend_stats
-        st.k0_held_steps, st.k0_flushes = held.held_steps, held.flushes
+        st.k0_held_steps, st.k0_flushes, st.k0_dropped = held.held_steps, held.flushes, held.dropped
         st.drafts_by_k[0] = st.drafts_by_k.get(0, 0) + 1
         return torch.zeros(b, 0, dtype=torch.long, device=next_token_ids.device)
 
     def _flush_k0(self) -> None:
-        """Write the held K = 0 cache entries, before any draft reads or writes the cache."""
+        """Write the held K = 0 cache entries, before any draft reads or writes the cache (those of requests
+        that have all ended are dropped)."""
         held = self._k0_writes
         if held is not None and held.pending:
             with torch.inference_mode():
-                held.flush()
-            self.ascend_stats.k0_flushes = held.flushes
+                held.flush(self._live_request_ids())
+            self.ascend_stats.k0_flushes, self.ascend_stats.k0_dropped = held.flushes, held.dropped
+
+    def _live_request_ids(self) -> Container[str] | None:
+        """The requests the runner still runs (ids), or None where this runner does not say: then held K = 0
+        entries are written whatever became of their requests."""
+        return None
 
     def _run_ours(self, inputs: DraftInputs, k: int) -> torch.Tensor:
         """One draft of K = ``k`` through our proposer (the graph of its bucket, or eagerly): ``[B, K]`` token ids.

@@ -129,6 +129,9 @@ class AscendSpecMtpMixin(DraftCoreMixin):
                            common_attn_metadata=common_attn_metadata, sampling_metadata=sampling_metadata,
                            **kwargs))
 
+    def _live_request_ids(self) -> Any:
+        return self.runner.requests  # V1's request states by id: an ended request's is gone
+
     def _takes_lean_k0(self, batch: int) -> bool:
         """Whether :meth:`_hold_lean_k0` holds a K = 0 step of ``batch`` rows."""
         return self._fallback_reason(0, None, None) is None and self._k0_writes.takes(batch)

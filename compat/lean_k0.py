@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .manifest import covers
-from .shims import host_tensor
+from .shims import host_any
 
 #: ``hold(next_token_ids [B], positions [B], hidden [B, D], slot_mapping [B], plain)``: the drafter holds the
 #: step's draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran
@@ -92,7 +92,7 @@ def _install_lean(runner: Any, hold: Hold, at: dict[str, int], plain: "_PlainSte
         # token a row and none discarded (a prompt's partial chunk), so each row's one sampled token is its next
         if ((spec_decode_metadata is not None and any(spec_decode_metadata.num_draft_tokens))
                 or scheduler_output.num_spec_tokens_to_schedule or scheduler_output.total_num_scheduled_tokens != b
-                or bool(host_tensor(runner.discard_request_mask)[:b].any())):
+                or host_any(runner.discard_request_mask, b)):
             return propose(*args, **kwargs)
         next_token_ids = arg("sampled_token_ids")[:b, 0]
         drafts = hold(next_token_ids, runner._get_positions(b), arg("hidden_states")[:b],
@@ -176,7 +176,7 @@ class _PlainStep:
             raise RuntimeError(f"ascend_spec: a plain K = 0 step kept no slot mapping of the draft layer "
                                f"{self.draft_layer!r}; the MTP cache entries of the step cannot be held")
         next_token_ids = sampled[:b, 0]
-        if bool(host_tensor(runner.discard_request_mask)[:b].any()):
+        if host_any(runner.discard_request_mask, b):
             # a prompt's partial chunk: its next token is the prompt's, as the speculative path hands it on
             next_token_ids, _ = runner.drafter.prepare_next_token_ids_padded(
                 sampled, runner.requests, runner.input_batch, runner.discard_request_mask.gpu)

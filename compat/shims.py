@@ -105,6 +105,13 @@ def host_tensor(buf: Any) -> torch.Tensor:
     return buf.cpu
 
 
+def host_any(buf: Any, n: int) -> bool:
+    """Whether any of the first ``n`` entries of a runner buffer's host side is set (its numpy view where it has
+    one: a cheaper read than a tensor's, once per step)."""
+    view = getattr(buf, "np", None)
+    return bool((view if view is not None else host_tensor(buf).numpy())[:n].any())
+
+
 @covers("num_computed_tokens_fallback")
 def num_computed_tokens(runner: Any, num_reqs: int) -> torch.Tensor:
     """Computed tokens per request (device): ``runner.num_computed_tokens`` or the input batch's host copy."""

@@ -85,6 +85,27 @@ def test_another_batch_or_bucket_first_writes_what_is_held():
     assert held.flushes == 2 and held.pending == 1
 
 
+@torch.no_grad()
+def test_entries_of_requests_that_all_ended_are_dropped_unwritten_the_rest_written():
+    """Held entries whose requests have all ended are read by no draft (their blocks may have a new owner): dropped,
+    where the caller names the running requests; one request still running writes the lot."""
+    start = torch.randn(BLOCKS, BLOCK, 576)
+    cache = start.clone()
+    held = DeferredCacheWrites(chain(cache))
+    four, two = decode_steps(2, rows=4), decode_steps(1, rows=2, seed=1)
+    for step in four:
+        held.add(*step, key=["a", "b", "c", "d"])
+    held.add(*two[0], key=["e", "f"], live={"e": 0, "f": 0})  # a, b, c, d ended: their 8 entries dropped
+    assert (held.dropped, held.flushes, held.pending) == (1, 0, 1) and torch.equal(cache, start)
+    held.flush(live={"e", "f"})
+    assert (held.dropped, held.flushes, held.pending) == (1, 1, 0)
+    assert int((cache != start).any(-1).sum()) == 2  # e's and f's one step each
+    held.add(*four[0], key=["a", "b", "c", "d"])
+    before = cache.clone()
+    held.flush(live={"d"})  # one of them still runs: all written (two of the four slots were e's and f's)
+    assert (held.dropped, held.flushes) == (1, 2) and int((cache != before).any(-1).sum()) == 4
+
+
 def test_only_the_k0_chain_holds_and_only_batches_a_bucket_serves():
     cache = torch.zeros(BLOCKS, BLOCK, 576)
     with pytest.raises(ValueError, match="allowed: the K = 0 chain"):
