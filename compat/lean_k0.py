@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .manifest import covers
-from .shims import host_any
+from .shims import device_tensor, host_any
 
 #: ``hold(next_token_ids [B], positions [B], hidden [B, D], slot_mapping [B], plain)``: the drafter holds the
 #: step's draft cache entries and returns its ``[B, 0]`` drafts, or None where it cannot; ``plain``: the step ran
@@ -179,7 +179,7 @@ class _PlainStep:
         if host_any(runner.discard_request_mask, b):
             # a prompt's partial chunk: its next token is the prompt's, as the speculative path hands it on
             next_token_ids, _ = runner.drafter.prepare_next_token_ids_padded(
-                sampled, runner.requests, runner.input_batch, runner.discard_request_mask.gpu)
+                sampled, runner.requests, runner.input_batch, device_tensor(runner.discard_request_mask))
         held = self.hold(next_token_ids, runner._get_positions(b), state.hidden_states[:b], slots[:b], True)
         if held is None:
             raise RuntimeError(f"ascend_spec: a plain K = 0 step of {b} rows was not held, though the drafter "
