@@ -1,5 +1,11 @@
 """torch.compile: plain inductor on CPU, ``reduce-overhead`` (CUDA graphs) on CUDA.
 One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions.
+
+Every compile passes ``dynamic=False``: the dimensions marked from :class:`DynamicDims` are the only dynamic
+ones. Dynamo's automatic dynamic would otherwise make dynamic whatever differed from an earlier compile of the
+same code in this process (its profile is keyed by the function's file, line and name, not by the model): a second
+model's config values (a YaRN factor, a head count) became graph inputs, and a float read inside a nested compile
+region failed Dynamo's trace (docs/design.md, "Shapes: static only where the hardware asks").
 """
 from __future__ import annotations
 
@@ -59,7 +65,8 @@ class InductorBackend:
         if dims is None:
             return self._new_generation_each_call(torch.compile(
                 fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False), options=self._options()), tag)
-        compiled = torch.compile(fn, fullgraph=True, dynamic=None, backend=self._backend(tag, None),
+        # dynamic=False: only the marked dimensions are dynamic (see the module docstring)
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
                                  options=self._options())
 
         def call(*args: Any) -> Any:
@@ -72,11 +79,11 @@ class InductorBackend:
 
     def _compile_aot(self, fn: GraphFn, tag: str, dims: DynamicDims | None) -> GraphFn:
         assert self.store is not None
-        dynamic = False if dims is None else None
         options = {"guard_filter_fn": keep_portable_input_guards}
 
         def make_compiled(f: GraphFn) -> Any:
-            return torch.compile(f, fullgraph=True, dynamic=dynamic, backend=self._backend(tag, dynamic),
+            # dynamic=False: only the marked dimensions are dynamic (see the module docstring)
+            return torch.compile(f, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
                                  options=dict(options))
 
         return AotGraph(fn, tag, dims, self.store, self.lint, make_compiled, mark_dims)
