@@ -1,11 +1,5 @@
 """torch.compile: plain inductor on CPU, ``reduce-overhead`` (CUDA graphs) on CUDA.
 One compile per graph function, with the batch (and on CPU the block-table width) as dynamic dimensions.
-
-Every compile passes ``dynamic=False``: the dimensions marked from :class:`DynamicDims` are the only dynamic
-ones. Dynamo's automatic dynamic would otherwise make dynamic whatever differed from an earlier compile of the
-same code in this process (its profile is keyed by the function's file, line and name, not by the model): a second
-model's config values (a YaRN factor, a head count) became graph inputs, and a float read inside a nested compile
-region failed Dynamo's trace (docs/design.md, "Shapes: static only where the hardware asks").
 """
 from __future__ import annotations
 
@@ -65,7 +59,9 @@ class InductorBackend:
         if dims is None:
             return self._new_generation_each_call(torch.compile(
                 fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False), options=self._options()), tag)
-        # dynamic=False: only the marked dimensions are dynamic (see the module docstring)
+        # dynamic=False: the dimensions marked from ``dims`` are the only dynamic ones. Dynamo's automatic dynamic
+        # keys its profile by function, not by model: a second model's config values (a YaRN factor) became graph
+        # inputs and failed the trace inside a layer's compile region (docs/design.md, "Shapes").
         compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
                                  options=self._options())
 
@@ -82,7 +78,7 @@ class InductorBackend:
         options = {"guard_filter_fn": keep_portable_input_guards}
 
         def make_compiled(f: GraphFn) -> Any:
-            # dynamic=False: only the marked dimensions are dynamic (see the module docstring)
+            # dynamic=False: only the marked dimensions are dynamic (see ``compile``)
             return torch.compile(f, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
                                  options=dict(options))
 
