@@ -49,21 +49,21 @@ class InductorBackend:
         # a new dict each call: torch.compile pops "guard_filter_fn" out of the one it is given
         return None if self.guard_filter is None else {"guard_filter_fn": self.guard_filter}
 
-    def _backend(self, tag: str, dynamic: bool | None) -> Any:
-        """Inductor (with ``mode``) behind the graph lint: the lint sees the captured graph before lowering."""
-        return self.lint.wrap(torch._TorchCompileInductorWrapper(self.mode, None, dynamic), tag)
+    def _compiled(self, fn: GraphFn, tag: str, options: dict[str, Any] | None) -> Any:
+        """``torch.compile`` of ``fn``: inductor (with ``mode``) behind the graph lint, which sees the captured graph
+        before lowering."""
+        # dynamic=False: the dimensions marked from a graph's DynamicDims are its only dynamic ones. Dynamo's
+        # automatic dynamic keys its profile by function, not by model: a second model's config values (a YaRN
+        # factor) became graph inputs and failed the trace inside a layer's compile region (docs/design.md, "Shapes").
+        backend = self.lint.wrap(torch._TorchCompileInductorWrapper(self.mode, None, False), tag)
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
 
     def compile(self, fn: GraphFn, tag: str, dims: DynamicDims | None = None) -> GraphFn:
         if self.store is not None and self.mode is None:
             return self._compile_aot(fn, tag, dims)
+        compiled = self._compiled(fn, tag, self._options())
         if dims is None:
-            return self._new_generation_each_call(torch.compile(
-                fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False), options=self._options()), tag)
-        # dynamic=False: the dimensions marked from ``dims`` are the only dynamic ones. Dynamo's automatic dynamic
-        # keys its profile by function, not by model: a second model's config values (a YaRN factor) became graph
-        # inputs and failed the trace inside a layer's compile region (docs/design.md, "Shapes").
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
-                                 options=self._options())
+            return self._new_generation_each_call(compiled, tag)
 
         def call(*args: Any) -> Any:
             # Any call may compile (a batch of one specialises its own graph): mark the dynamic dimensions of every
@@ -75,12 +75,9 @@ class InductorBackend:
 
     def _compile_aot(self, fn: GraphFn, tag: str, dims: DynamicDims | None) -> GraphFn:
         assert self.store is not None
-        options = {"guard_filter_fn": keep_portable_input_guards}
 
         def make_compiled(f: GraphFn) -> Any:
-            # dynamic=False: only the marked dimensions are dynamic (see ``compile``)
-            return torch.compile(f, fullgraph=True, dynamic=False, backend=self._backend(tag, False),
-                                 options=dict(options))
+            return self._compiled(f, tag, {"guard_filter_fn": keep_portable_input_guards})
 
         return AotGraph(fn, tag, dims, self.store, self.lint, make_compiled, mark_dims)
 
